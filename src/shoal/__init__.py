@@ -1,0 +1,34 @@
+"""shoal: train on many devices as if they were one.
+
+Global tensors laid out on a mesh of devices by an SBP per mesh axis; every op keeps its
+single-device meaning. This module only re-exports the public API.
+"""
+
+from . import ops  # noqa: F401  (registers the op rules)
+from .comm.counter import CommCounter
+from .dispatch import coverage
+from .mesh import Mesh
+from .sbp import SBP, B, Broadcast, P, Partial, S, Split
+from .spec import TensorSpec
+from .tensor import GlobalTensor, from_local, to_global
+from .world import World, init, world
+
+__all__ = [
+    "B",
+    "Broadcast",
+    "CommCounter",
+    "GlobalTensor",
+    "Mesh",
+    "P",
+    "Partial",
+    "S",
+    "SBP",
+    "Split",
+    "TensorSpec",
+    "World",
+    "coverage",
+    "from_local",
+    "init",
+    "to_global",
+    "world",
+]

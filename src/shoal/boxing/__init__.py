@@ -1,0 +1,116 @@
+"""Boxing: convert a global tensor's shards between any two (mesh, nd-SBP) pairs.
+
+``box(shards, src, dst)`` runs the planner's 1-D steps with the collectives in ``comm``;
+across meshes it moves shards point-to-point. ``cost(src, dst_sbp)`` is the planner's estimate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..sbp import Broadcast, NdSBP, Partial, Split
+from ..spec import TensorSpec, _itemsize, chunk_bounds
+from .planner import Step, plan, plan_cost
+
+__all__ = ["box", "cost", "Step", "plan"]
+
+Shards = tuple  # one entry per mesh position; None where another process owns the device
+
+
+def cost(src: TensorSpec, dst_sbp: NdSBP) -> float:
+    if src.sbp == dst_sbp:
+        return 0.0
+    return plan_cost(src.mesh.shape, src.shape, _itemsize(src.dtype), src.sbp, dst_sbp)
+
+
+def box(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
+    """The shards of the same global value laid out as ``dst``."""
+    if src.mesh == dst.mesh:
+        if src.sbp == dst.sbp:
+            return shards
+        steps = plan(src.mesh.shape, src.shape, _itemsize(src.dtype), src.sbp, dst.sbp)
+        out = list(shards)
+        for st in steps:
+            _run_step(out, src, st)
+        return tuple(out)
+    return _cross_mesh(shards, src, dst)
+
+
+def _run_step(shards: list, spec: TensorSpec, st: Step) -> None:
+    mesh = spec.mesh
+    n = mesh.shape[st.axis]
+    kind = st.kind
+    if n == 1 or kind == "relabel":
+        return
+    for group in mesh.groups(st.axis):
+        devs = [mesh.devices[p] for p in group]
+        xs = [shards[p] for p in group]
+        if kind == "all_gather":
+            ys = comm.all_gather(devs, xs, st.src.dim)
+        elif kind == "all_reduce":
+            ys = comm.all_reduce(devs, xs, st.src.op)
+        elif kind == "reduce_scatter":
+            ys = comm.reduce_scatter(devs, xs, st.dst.dim, st.src.op)
+        elif kind == "all_to_all":
+            ys = comm.all_to_all(devs, xs, st.src.dim, st.dst.dim)
+        elif kind == "slice":
+            ys = [
+                None if x is None else x.narrow(st.dst.dim, *_start_len(x.shape[st.dst.dim], n, i))
+                for i, x in enumerate(xs)
+            ]
+        elif kind == "keep_one":
+            ys = _keep_one(xs, st.dst.op)
+        else:  # pragma: no cover - the planner only emits the kinds above
+            raise AssertionError(kind)
+        for p, y in zip(group, ys):
+            shards[p] = y
+
+
+def _start_len(size: int, n: int, i: int) -> tuple[int, int]:
+    a, b = chunk_bounds(size, n, i)
+    return a, b - a
+
+
+def _keep_one(xs: list, op: str) -> list:
+    if op != "sum":  # max/min of equal copies is the value itself
+        return xs
+    zero = None
+    out = []
+    for i, x in enumerate(xs):
+        if i == 0 or x is None:
+            out.append(x)
+        else:
+            if zero is None or zero.device != x.device:
+                zero = torch.zeros_like(x)
+            out.append(zero)
+    return out
+
+
+def _cross_mesh(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
+    """Move between meshes: position-wise sends when the mesh shapes match, else via replicas."""
+    if src.mesh.shape == dst.mesh.shape:
+        mid = box(shards, src, src.with_sbp(dst.sbp))
+        return tuple(_send(src.mesh.devices[p], d, mid[p]) for p, d in enumerate(dst.mesh.devices))
+    if any(isinstance(s, Partial) for s in dst.sbp):
+        # build B on the destination first, then keep one copy there
+        rep = _cross_mesh(shards, src, dst.with_sbp((Broadcast(),) * dst.mesh.ndim))
+        return box(rep, dst.with_sbp((Broadcast(),) * dst.mesh.ndim), dst)
+    full = box(shards, src, src.with_sbp((Broadcast(),) * src.mesh.ndim))
+    out = []
+    for p, d in enumerate(dst.mesh.devices):
+        sp = p % src.mesh.size
+        region = dst.local_region(p)
+        piece = None if full[sp] is None else full[sp][region]
+        out.append(_send(src.mesh.devices[sp], d, piece))
+    return tuple(out)
+
+
+def _send(src_dev: int, dst_dev: int, t):
+    if src_dev == dst_dev:
+        return t
+    return comm.transfer(src_dev, dst_dev, t)
+
+
+def is_trivial(sbp: NdSBP) -> bool:
+    return all(isinstance(s, (Broadcast, Split)) for s in sbp)

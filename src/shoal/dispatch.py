@@ -1,0 +1,410 @@
+"""Eager dispatch: one ATen op on GlobalTensors.
+
+rule -> cheapest signature (boxing cost of the actual inputs) -> boxing -> the ATen op on every
+local shard -> outputs wrapped as GlobalTensors. Decisions are cached by (op, input specs and
+strides, static args). Ops without a rule run replicated on Broadcast inputs, warn once, and are
+listed by ``coverage()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from . import boxing
+from .mesh import Mesh
+from .ops.registry import Call, Rule, expand, lookup
+from .sbp import Broadcast, sbp_str
+from .spec import TensorSpec
+
+__all__ = ["dispatch", "coverage", "Coverage"]
+
+_B = Broadcast()
+# Moving a mutated tensor to another layout is allowed (the global value is all that counts)
+# but costs its aliases; prefer anything else.
+_INPLACE_RELAYOUT_COST = 1e15
+
+
+class _Slot:
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    mesh: Mesh
+    in_specs: tuple[TensorSpec, ...]  # target layout per tensor input
+    out_specs: tuple[TensorSpec, ...]
+    out_strides: tuple[tuple[int, ...], ...]
+    out_template: object  # output structure with _Slot(i) per tensor output
+    mutated: tuple[int, ...]  # tensor inputs the op writes to
+    returns_input: tuple[int | None, ...]  # per tensor output: the input it aliases in place, if any
+    size_arg: int | None
+    local: object  # callable replacing func on shards, or None
+    replicated: bool  # run once on Broadcast inputs (fallback or value op)
+    run_once: bool  # every shard computes the same thing: compute once and share (CPU)
+
+
+_CACHE: dict = {}
+_FALLBACK_WARNED: set = set()
+
+
+@dataclass
+class Coverage:
+    by_rule: Counter
+    by_fallback: Counter
+
+    def __repr__(self) -> str:
+        lines = [f"shoal coverage: {len(self.by_rule)} op(s) by rule, {len(self.by_fallback)} by fallback"]
+        lines += [f"  fallback  {op}  x{n}" for op, n in self.by_fallback.most_common()]
+        return "\n".join(lines)
+
+
+_COVERAGE = Coverage(Counter(), Counter())
+
+
+def coverage(reset: bool = False) -> Coverage:
+    """Ops served by rules vs by the replicated fallback since start (or the last reset)."""
+    out = Coverage(Counter(_COVERAGE.by_rule), Counter(_COVERAGE.by_fallback))
+    if reset:
+        _COVERAGE.by_rule.clear()
+        _COVERAGE.by_fallback.clear()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# argument templating: tensors become slots; everything else is part of the cache key
+
+
+def _template(obj, tensors: list, key: list):
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        key.append(None)
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, (list, tuple)):
+        if any(isinstance(e, torch.Tensor) for e in obj):
+            key.append(len(obj))
+            return type(obj)(_template(e, tensors, key) for e in obj)
+        key.append(tuple(obj))
+        return obj
+    key.append(obj)
+    return obj
+
+
+def _fill(obj, values):
+    if type(obj) is _Slot:
+        return values[obj.i]
+    if isinstance(obj, (list, tuple)) and obj and any(type(e) is _Slot for e in obj):
+        return type(obj)(_fill(e, values) for e in obj)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    from .tensor import GlobalTensor
+
+    tensors: list = []
+    key: list = [func]
+    targs = tuple(_template(a, tensors, key) for a in args)
+    tkwargs = {k: _template(v, tensors, key) for k, v in kwargs.items()} if kwargs else {}
+    if kwargs:
+        key.append(tuple(kwargs))
+    mesh = None
+    for t in tensors:
+        if type(t) is GlobalTensor or isinstance(t, GlobalTensor):
+            if mesh is None:
+                mesh = t._spec.mesh
+            elif t._spec.mesh != mesh:
+                raise ValueError(
+                    f"shoal: {func} got GlobalTensors on different meshes: {mesh} and {t._spec.mesh}. "
+                    f"Move one with x.to_global(mesh, sbp) first."
+                )
+            key.append(t._spec)
+            key.append(t.stride())
+        else:
+            key.append((t.shape, t.dtype, t.stride()))
+    try:
+        dec = _CACHE.get(tuple(key))
+    except TypeError:  # an unhashable static argument: decide without caching
+        key = None
+        dec = None
+    if dec is None:
+        dec = _decide(func, args, kwargs, targs, tkwargs, tensors, mesh)
+        if key is not None:
+            _CACHE[tuple(key)] = dec
+    if dec.replicated and func not in _FALLBACK_WARNED and not _is_value_op(func):
+        _warn_fallback(func, tensors)
+    (_COVERAGE.by_fallback if dec.replicated and not _is_value_op(func) else _COVERAGE.by_rule)[func] += 1
+    return _execute(func, dec, targs, tkwargs, tensors)
+
+
+def _is_value_op(func) -> bool:
+    r = lookup(func)
+    return r is not None and r.replicated
+
+
+def _warn_fallback(func, tensors) -> None:
+    from .tensor import GlobalTensor
+
+    _FALLBACK_WARNED.add(func)
+    specs = [sbp_str(t._spec.sbp) if isinstance(t, GlobalTensor) else "plain" for t in tensors]
+    warnings.warn(
+        f"shoal: no SBP rule for {func}; inputs {specs} are made Broadcast and the op runs replicated "
+        f"(correct but slow). shoal.coverage() lists such ops.",
+        stacklevel=4,
+    )
+
+
+def _spec_of(t, mesh: Mesh) -> TensorSpec:
+    from .tensor import GlobalTensor
+
+    if isinstance(t, GlobalTensor):
+        return t._spec
+    return TensorSpec(tuple(t.shape), t.dtype, mesh, (_B,) * mesh.ndim)
+
+
+def _meta(t) -> torch.Tensor:
+    return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+
+
+def _aliases(func, ntensor_inputs_by_arg: list[int | None]):
+    """(mutated tensor-input indices, per returned value: the tensor input it aliases as a write)."""
+    schema = func._schema
+    write_sets = {}
+    for a, ti in zip(schema.arguments, ntensor_inputs_by_arg):
+        ai = a.alias_info
+        if ai is not None and ai.is_write and ti is not None:
+            for s in ai.before_set:
+                write_sets[s] = ti
+    mutated = tuple(sorted(set(write_sets.values())))
+    rets = []
+    for r in schema.returns:
+        ai = r.alias_info
+        hit = None
+        if ai is not None and ai.is_write:
+            for s in ai.before_set:
+                hit = write_sets.get(s, hit)
+        rets.append(hit)
+    return mutated, rets
+
+
+def _decide(func, args, kwargs, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
+    in_specs0 = [_spec_of(t, mesh) for t in tensors]
+    # which tensor input each schema argument holds (single-tensor args only: mutation is per tensor)
+    arg_to_tensor: list[int | None] = []
+    for i, a in enumerate(func._schema.arguments):
+        v = targs[i] if i < len(targs) else tkwargs.get(a.name)
+        arg_to_tensor.append(v.i if type(v) is _Slot else None)
+    mutated, ret_alias = _aliases(func, arg_to_tensor)
+    rule = lookup(func)
+    metas = [_meta(t) for t in tensors]
+    margs, mkwargs = _fill(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
+    out_meta = None
+    if rule is not None and not rule.replicated:
+        try:
+            out_meta = func(*margs, **mkwargs)
+        except Exception:  # no meta kernel or a data-dependent shape: decide on real values instead
+            out_meta = None
+    if out_meta is None or rule is None or rule.replicated:
+        return _replicated_decision(mesh, in_specs0, mutated, rule)
+
+    out_tensors: list = []
+    out_template = _template(out_meta, out_tensors, [])
+    call = Call(func, margs, mkwargs, tuple(metas), tuple(out_tensors))
+    returns_input = _returned_inputs(out_meta, ret_alias, len(out_tensors))
+    best = None
+    for ins, outs in expand(call, rule, mesh.shape):
+        if any(i is not None and ins[i] != outs[k] for k, i in enumerate(returns_input)):
+            continue  # an in-place result has the layout its input is computed in
+        cost = 0.0
+        for i, (spec, sbp) in enumerate(zip(in_specs0, ins)):
+            if spec.sbp != sbp:
+                cost += boxing.cost(spec, sbp) + (_INPLACE_RELAYOUT_COST if i in mutated else 0.0)
+        if best is None or cost < best[0]:
+            best = (cost, ins, outs)
+    _, ins, outs = best
+    in_specs = tuple(s.with_sbp(sbp) for s, sbp in zip(in_specs0, ins))
+    out_specs = tuple(TensorSpec(tuple(o.shape), o.dtype, mesh, sbp) for o, sbp in zip(out_tensors, outs))
+    local = rule.local(call, ins, outs) if rule.local is not None else None
+    all_b = all(all(isinstance(s, Broadcast) for s in sp.sbp) for sp in out_specs)
+    return _Decision(
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_strides=tuple(o.stride() for o in out_tensors),
+        out_template=out_template,
+        mutated=mutated,
+        returns_input=tuple(returns_input),
+        size_arg=rule.size_arg,
+        local=local,
+        replicated=False,
+        run_once=all_b and all(all(isinstance(s, Broadcast) for s in sp.sbp) for sp in in_specs),
+    )
+
+
+def _returned_inputs(out_meta, ret_alias, n: int) -> list[int | None]:
+    """Per tensor output: the mutated tensor input it is (in-place and out= ops), else None."""
+    out: list[int | None] = [None] * n
+    if any(r is not None for r in ret_alias):
+        flat = out_meta if isinstance(out_meta, (tuple, list)) else (out_meta,)
+        k = 0
+        for r, alias in zip(flat, ret_alias):
+            if isinstance(r, torch.Tensor):
+                out[k] = alias
+                k += 1
+    return out
+
+
+def _replicated_decision(mesh, in_specs0, mutated, rule: Rule | None) -> _Decision:
+    rep = (_B,) * mesh.ndim
+    return _Decision(
+        mesh=mesh,
+        in_specs=tuple(s.with_sbp(rep) for s in in_specs0),
+        out_specs=(),
+        out_strides=(),
+        out_template=None,
+        mutated=mutated,
+        returns_input=(),
+        size_arg=None,
+        local=None,
+        replicated=True,
+        run_once=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _execute(func, dec: _Decision, targs, tkwargs, tensors):
+    from .tensor import GlobalTensor
+
+    mesh = dec.mesh
+    positions = mesh.local_positions
+    shards_in = []
+    for t, spec in zip(tensors, dec.in_specs):
+        if isinstance(t, GlobalTensor):
+            src = t._spec
+            shards_in.append(t._shards if src.sbp == spec.sbp else boxing.box(t._shards, src, spec))
+        else:
+            shards_in.append(_plain_shards(t, mesh))
+    once = dec.run_once and all(_same_everywhere(s, positions) for s in shards_in)
+    if not once and dec.mutated:
+        _unshare_mutated(dec.mutated, shards_in, positions)
+    fn = dec.local or func
+    results: list = [None] * mesh.size
+    run_at = positions[:1] if once else positions
+    for p in run_at:
+        vals = [s[p] for s in shards_in]
+        a = _fill(targs, vals)
+        if dec.size_arg is not None:
+            a = list(a)
+            a[dec.size_arg] = list(dec.out_specs[0].local_shape(p))
+        kw = {k: _fill(v, vals) for k, v in tkwargs.items()} if tkwargs else {}
+        results[p] = fn(*a, **kw)
+    if once:
+        for p in positions[1:]:
+            results[p] = results[positions[0]]
+    # mutated inputs take the layout they were computed in
+    for i in dec.mutated:
+        t = tensors[i]
+        if isinstance(t, GlobalTensor) and (t._shards is not shards_in[i] or t._spec != dec.in_specs[i]):
+            t._spec = dec.in_specs[i]
+            t._shards = shards_in[i]
+    if dec.replicated:
+        return _wrap_replicated(results, positions, mesh, tensors, dec)
+    first = results[positions[0]]
+    outs_local = []
+    _collect(first, outs_local)
+    per_out = [[None] * mesh.size for _ in outs_local]
+    for p in positions:
+        flat: list = []
+        _collect(results[p], flat)
+        for k, v in enumerate(flat):
+            per_out[k][p] = v
+    wrapped = []
+    for k, spec in enumerate(dec.out_specs):
+        alias = dec.returns_input[k]
+        if alias is not None and isinstance(tensors[alias], GlobalTensor):
+            wrapped.append(tensors[alias])
+        else:
+            wrapped.append(GlobalTensor._make(spec, tuple(per_out[k]), dec.out_strides[k]))
+    return _fill(dec.out_template, wrapped)
+
+
+def _collect(obj, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for e in obj:
+            _collect(e, out)
+
+
+def _same_everywhere(shards, positions) -> bool:
+    first = shards[positions[0]]
+    return all(shards[p] is first for p in positions)
+
+
+def _unshare_mutated(mutated, shards_in, positions) -> None:
+    """An op writing to a shard that several devices share must not write it several times."""
+    for i in mutated:
+        s = shards_in[i]
+        seen = set()
+        new = list(s)
+        changed = False
+        for p in positions:
+            if id(s[p]) in seen:
+                new[p] = s[p].clone()
+                changed = True
+            seen.add(id(s[p]))
+        if changed:
+            shards_in[i] = tuple(new)
+
+
+def _plain_shards(t: torch.Tensor, mesh: Mesh) -> tuple:
+    """A plain tensor meeting a GlobalTensor is taken as Broadcast on its mesh."""
+    from .world import world
+
+    w = world()
+    out = [None] * mesh.size
+    for p in mesh.local_positions:
+        dev = w.torch_device(mesh.devices[p])
+        out[p] = t if t.device == dev else t.to(dev)
+    return tuple(out)
+
+
+def _wrap_replicated(results, positions, mesh, tensors, dec):
+    """Outputs of a replicated run: tensors become Broadcast GlobalTensors."""
+    from .tensor import GlobalTensor
+
+    first = results[positions[0]]
+    rep = (_B,) * mesh.ndim
+
+    def wrap(obj, path):
+        if isinstance(obj, torch.Tensor):
+            for i in dec.mutated:  # in-place result: the mutated input itself
+                t = tensors[i]
+                if isinstance(t, GlobalTensor) and t._shards[positions[0]] is obj:
+                    return t
+            shards = [None] * mesh.size
+            for p in positions:
+                shards[p] = _pick(results[p], path)
+            spec = TensorSpec(tuple(obj.shape), obj.dtype, mesh, rep)
+            return GlobalTensor._make(spec, tuple(shards), obj.stride())
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(wrap(e, (*path, k)) for k, e in enumerate(obj))
+        return obj
+
+    return wrap(first, ())
+
+
+def _pick(obj, path):
+    for k in path:
+        obj = obj[k]
+    return obj

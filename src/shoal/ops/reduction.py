@@ -1,0 +1,96 @@
+"""Reductions: sum, mean, amax, amin, max, min (all elements or over dims, keepdim).
+
+A split kept dim stays split; a split reduced dim gives Partial (sum for sum/mean, max/min for
+amax/amin). mean over a split dim runs as a local sum divided by the global count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sbp import Partial, Split
+from .registry import Call, Rule, Sig, register
+
+aten = torch.ops.aten
+
+# op -> (the Partial a split reduced dim gives, whether it returns indices too)
+_KIND = {
+    aten.sum.default: "sum",
+    aten.sum.dim_IntList: "sum",
+    aten.mean.default: "sum",
+    aten.mean.dim: "sum",
+    aten.amax.default: "max",
+    aten.amin.default: "min",
+    aten.max.default: "max",
+    aten.min.default: "min",
+    aten.max.dim: None,
+    aten.min.dim: None,
+    aten.argmax.default: None,
+    aten.argmin.default: None,
+}
+_ALL_DIMS = {aten.sum.default, aten.mean.default, aten.max.default, aten.min.default}
+
+
+def reduced_dims(call: Call) -> tuple[tuple[int, ...], bool]:
+    x = call.ins[0]
+    if call.func in _ALL_DIMS:
+        return tuple(range(x.ndim)), False
+    dim = call.arg(1, "dim")
+    keepdim = bool(call.arg(2, "keepdim", False))
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return tuple(range(x.ndim)), keepdim
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return tuple(sorted({d % max(x.ndim, 1) for d in dims})), keepdim
+
+
+def _reduction(call: Call) -> list[Sig]:
+    x = call.ins[0]
+    dims, keepdim = reduced_dims(call)
+    kind = _KIND[call.func]
+    nout = len(call.outs)
+    sigs = []
+    for d in range(x.ndim):
+        if d in dims:
+            if kind is not None and x.shape[d] > 1:
+                sigs.append(Sig((Split(d),), (Partial(kind),) * nout))
+        else:
+            od = d if keepdim else d - sum(1 for r in dims if r < d)
+            sigs.append(Sig((Split(d),), (Split(od),) * nout))
+    if kind is not None:
+        p = Partial(kind)
+        sigs.append(Sig((p,), (p,) * nout))
+    return sigs
+
+
+def _no_empty_max(call: Call, ins, outs, mesh_shape) -> bool:
+    """max/min of an empty shard is an error in torch: every shard of a reduced split dim needs an element."""
+    if _KIND[call.func] in ("sum", None):
+        return True
+    dims, _ = reduced_dims(call)
+    x = call.ins[0]
+    for d in dims:
+        n = math.prod(m for m, s in zip(mesh_shape, ins[0]) if s == Split(d))
+        if x.shape[d] < n:
+            return False
+    return True
+
+
+def _mean_local(call: Call, ins, outs):
+    """mean over a split dim: sum locally, divide by the global count (the result is Partial)."""
+    if call.func not in (aten.mean.default, aten.mean.dim):
+        return None
+    dims, keepdim = reduced_dims(call)
+    if not any(isinstance(s, Split) and s.dim in dims for s in ins[0]):
+        return None
+    count = math.prod(call.ins[0].shape[d] for d in dims)
+    dtype = call.kwargs.get("dtype")
+
+    def run(x, *args, **kwargs):
+        return aten.sum.dim_IntList(x, list(dims), keepdim, dtype=dtype) / count
+
+    return run
+
+
+register(list(_KIND), Rule(_reduction, check_nd=_no_empty_max, local=_mean_local, name="reduction"))

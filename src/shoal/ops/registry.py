@@ -1,0 +1,112 @@
+"""The one rule registry: ATen op -> Rule.
+
+A rule is written for one mesh axis: ``candidates(call)`` lists signatures (one SBP per tensor
+input -> one SBP per tensor output) that are exact on that axis. The registry expands them to
+n-D meshes (every axis picks a signature independently), drops the ones ``check_nd`` rejects and
+always adds the all-Broadcast signature, which is exact for any deterministic op.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sbp import SBP, Broadcast, NdSBP, Partial, Split
+
+__all__ = ["Sig", "Call", "Rule", "register", "lookup", "registered_ops", "all_sbps", "expand"]
+
+_B = Broadcast()
+
+
+@dataclass(frozen=True, slots=True)
+class Sig:
+    """One mesh axis: input SBPs (one per tensor input, in argument order) -> output SBPs."""
+
+    ins: tuple[SBP, ...]
+    outs: tuple[SBP, ...]
+
+
+@dataclass(slots=True)
+class Call:
+    """What a rule sees: the op, its arguments with tensors as meta tensors of the global shapes,
+    the tensor inputs in order (``ins``) and the tensor outputs a meta run produced (``outs``)."""
+
+    func: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    ins: tuple[torch.Tensor, ...]
+    outs: tuple[torch.Tensor, ...]
+
+    def arg(self, i: int, name: str, default=None):
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+
+@dataclass(frozen=True)
+class Rule:
+    candidates: Callable[[Call], Sequence[Sig]] = lambda call: ()
+    # positional arg that holds the output's size (view, expand, new_zeros...): rewritten per shard
+    size_arg: int | None = None
+    # reject n-D combinations that are not exact (e.g. views of unevenly split dims)
+    check_nd: Callable[[Call, tuple[NdSBP, ...], tuple[NdSBP, ...], tuple[int, ...]], bool] | None = None
+    # replace the op run on each shard for a given n-D signature (e.g. mean over a split dim -> sum/N)
+    local: Callable[[Call, tuple[NdSBP, ...], tuple[NdSBP, ...]], Callable | None] | None = None
+    # value ops (.item(), equal): inputs made Broadcast and the op run once, by design not a fallback
+    replicated: bool = False
+    name: str = field(default="", compare=False)
+
+
+_RULES: dict[torch._ops.OpOverload, Rule] = {}
+_GENERIC: list[tuple[Callable[[torch._ops.OpOverload], bool], Rule]] = []
+
+
+def register(ops: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], rule: Rule) -> Rule:
+    for op in ops if isinstance(ops, (list, tuple)) else [ops]:
+        if op in _RULES:
+            raise ValueError(f"shoal: a rule for {op} is already registered")
+        _RULES[op] = rule
+    return rule
+
+
+def register_generic(pred: Callable[[torch._ops.OpOverload], bool], rule: Rule) -> None:
+    """A rule for every op ``pred`` accepts (e.g. by ``torch.Tag.pointwise``), after explicit ones."""
+    _GENERIC.append((pred, rule))
+
+
+def lookup(func: torch._ops.OpOverload) -> Rule | None:
+    rule = _RULES.get(func)
+    if rule is None:
+        for pred, r in _GENERIC:
+            if pred(func):
+                _RULES[func] = r
+                return r
+    return rule
+
+
+def registered_ops() -> list[torch._ops.OpOverload]:
+    return sorted(_RULES, key=str)
+
+
+def all_sbps(ndim: int, partial: Sequence[str] = ("sum", "max", "min")) -> list[SBP]:
+    return [_B, *(Split(d) for d in range(ndim)), *(Partial(o) for o in partial)]
+
+
+def expand(call: Call, rule: Rule, mesh_shape: tuple[int, ...]) -> list[tuple[tuple[NdSBP, ...], tuple[NdSBP, ...]]]:
+    """All exact n-D signatures: (input nd-SBPs, output nd-SBPs), the all-Broadcast one last."""
+    one = list(dict.fromkeys(rule.candidates(call)))
+    nin, nout = len(call.ins), len(call.outs)
+    rep = Sig((_B,) * nin, (_B,) * nout)
+    if rep not in one:
+        one.append(rep)
+    out = []
+    for combo in itertools.product(one, repeat=len(mesh_shape)):
+        ins = tuple(tuple(sig.ins[i] for sig in combo) for i in range(nin))
+        outs = tuple(tuple(sig.outs[i] for sig in combo) for i in range(nout))
+        if rule.check_nd is not None and not rule.check_nd(call, ins, outs, mesh_shape):
+            continue
+        out.append((ins, outs))
+    return out

@@ -1,0 +1,246 @@
+"""View and shape ops: view/reshape, permute/transpose/t, (un)squeeze, expand, slice, select,
+cat, stack, split, unbind and their backward ops.
+
+A split dim keeps its split where the op moves it (its output dim is computed per op); dims the op
+slices or concatenates along must be whole. Views that merge or split a split dim are checked for
+exactness shard by shard, since uneven chunks rarely line up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sbp import Broadcast, Partial, Split
+from .registry import Call, Rule, Sig, all_sbps, register
+
+aten = torch.ops.aten
+_B = Broadcast()
+_PARTIALS = (Partial("sum"), Partial("max"), Partial("min"))
+
+
+def _moves(call: Call, dim_map, nin: int = 1, nout: int = 1, partial: bool = True) -> list[Sig]:
+    """Signatures from ``dim_map(d) -> output dim or None`` (None: d cannot stay split)."""
+    sigs = []
+    for d in range(call.ins[0].ndim):
+        e = dim_map(d)
+        if e is not None:
+            sigs.append(Sig((Split(d),) * nin, (Split(e),) * nout))
+    if partial:
+        sigs += [Sig((p,) * nin, (p,) * nout) for p in _PARTIALS]
+    return sigs
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+# -- view / reshape ---------------------------------------------------------------------------
+
+
+def _view_map(in_shape, out_shape):
+    """Input dim -> output dim holding the same elements block for block (equal prefix products)."""
+    prefix_out = {}
+    acc = 1
+    for e, n in enumerate(out_shape):
+        if n > 1:
+            prefix_out.setdefault(acc, e)
+        acc *= n
+    m = {}
+    acc = 1
+    for d, n in enumerate(in_shape):
+        if n > 1 and acc in prefix_out and out_shape[prefix_out[acc]] > 1:
+            m[d] = prefix_out[acc]
+        acc *= n
+    return m
+
+
+def _view(call: Call) -> list[Sig]:
+    m = _view_map(call.ins[0].shape, call.outs[0].shape)
+    return _moves(call, m.get)
+
+
+def _view_exact(call: Call, ins, outs, mesh_shape) -> bool:
+    """Every shard's element range along the split dim must be the same before and after the view."""
+    if not any(isinstance(s, Split) for s in ins[0]):
+        return True
+    in_shape, out_shape = tuple(call.ins[0].shape), tuple(call.outs[0].shape)
+    m = _view_map(in_shape, out_shape)
+    coords = _coords(mesh_shape)
+    for s_in, s_out in zip(ins[0], outs[0]):
+        if isinstance(s_in, Split):
+            d, e = s_in.dim, s_out.dim
+            r_in, r_out = math.prod(in_shape[d + 1 :]), math.prod(out_shape[e + 1 :])
+            if m.get(d) != e:
+                return False
+            for c in coords:
+                a_off, a_len = _region(in_shape, ins[0], mesh_shape, c, d)
+                b_off, b_len = _region(out_shape, outs[0], mesh_shape, c, e)
+                if a_off * r_in != b_off * r_out or a_len * r_in != b_len * r_out:
+                    return False
+    return True
+
+
+def _coords(mesh_shape):
+    import itertools
+
+    return list(itertools.product(*(range(n) for n in mesh_shape)))
+
+
+def _region(shape, sbp, mesh_shape, coord, dim) -> tuple[int, int]:
+    from ..spec import chunk_bounds
+
+    size, off = shape[dim], 0
+    for axis, s in enumerate(sbp):
+        if s == Split(dim):
+            a, b = chunk_bounds(size, mesh_shape[axis], coord[axis])
+            off += a
+            size = b - a
+    return off, size
+
+
+def _view_local(call: Call, ins, outs):
+    def run(x, size, *rest):
+        try:
+            return call.func(x, size, *rest)
+        except RuntimeError:  # a strided shard that the global view did not have: copy instead
+            return aten.reshape.default(x, size)
+
+    return run if any(isinstance(s, Split) for s in ins[0]) else None
+
+
+VIEW = Rule(_view, size_arg=1, check_nd=_view_exact, local=_view_local, name="view")
+register([aten.view.default, aten._unsafe_view.default], VIEW)
+
+
+# -- permutations ----------------------------------------------------------------------------
+
+
+def _permute(call: Call) -> list[Sig]:
+    nd = call.ins[0].ndim
+    dims = [_norm(d, nd) for d in call.arg(1, "dims")]
+    return _moves(call, dims.index)
+
+
+def _transpose(call: Call) -> list[Sig]:
+    nd = call.ins[0].ndim
+    if call.func == aten.t.default:
+        a, b = (0, 1) if nd == 2 else (0, 0)
+    else:
+        a, b = _norm(call.arg(1, "dim0"), nd), _norm(call.arg(2, "dim1"), nd)
+    return _moves(call, lambda d: b if d == a else a if d == b else d)
+
+
+register(aten.permute.default, Rule(_permute, name="permute"))
+register([aten.transpose.int, aten.t.default], Rule(_transpose, name="transpose"))
+
+
+# -- (un)squeeze / expand --------------------------------------------------------------------
+
+
+def _unsqueeze(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(1, "dim"), call.ins[0].ndim + 1)
+    return _moves(call, lambda d: d if d < dim else d + 1)
+
+
+def _squeeze(call: Call) -> list[Sig]:
+    x = call.ins[0]
+    if call.func == aten.squeeze.default:
+        dims = [d for d in range(x.ndim) if x.shape[d] == 1]
+    else:
+        dims = call.arg(1, "dim")
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        dims = [_norm(d, x.ndim) for d in dims if x.shape[_norm(d, x.ndim)] == 1]
+    return _moves(call, lambda d: None if d in dims else d - sum(1 for r in dims if r < d))
+
+
+def _expand(call: Call) -> list[Sig]:
+    x, out = call.ins[0], call.outs[0]
+    off = out.ndim - x.ndim
+    sigs = []
+    for e in range(out.ndim):
+        d = e - off
+        if d >= 0 and x.shape[d] == out.shape[e]:
+            if out.shape[e] > 1:
+                sigs.append(Sig((Split(d),), (Split(e),)))
+        elif out.shape[e] > 1:  # a new or size-1 dim: every shard expands to its own chunk
+            sigs.append(Sig((_B,), (Split(e),)))
+    return sigs + [Sig((p,), (p,)) for p in _PARTIALS]
+
+
+register(aten.unsqueeze.default, Rule(_unsqueeze, name="unsqueeze"))
+register([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], Rule(_squeeze, name="squeeze"))
+register(aten.expand.default, Rule(_expand, size_arg=1, name="expand"))
+
+
+# -- slicing / joining ----------------------------------------------------------------------
+
+
+def _slice(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(1, "dim", 0), call.ins[0].ndim)
+    return _moves(call, lambda d: None if d == dim else d)
+
+
+def _select(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(1, "dim"), call.ins[0].ndim)
+    return _moves(call, lambda d: None if d == dim else d - (d > dim))
+
+
+def _slice_backward(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(2, "dim"), call.outs[0].ndim)
+    return _moves(call, lambda d: None if d == dim else d, partial=False) + [Sig((Partial("sum"),), (Partial("sum"),))]
+
+
+def _select_backward(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(2, "dim"), call.outs[0].ndim)
+    return _moves(call, lambda d: d + (d >= dim), partial=False) + [Sig((Partial("sum"),), (Partial("sum"),))]
+
+
+register(aten.slice.Tensor, Rule(_slice, name="slice"))
+register(aten.select.int, Rule(_select, name="select"))
+register(aten.slice_backward.default, Rule(_slice_backward, size_arg=1, name="slice_backward"))
+register(aten.select_backward.default, Rule(_select_backward, size_arg=1, name="select_backward"))
+
+
+def _cat(call: Call) -> list[Sig]:
+    out = call.outs[0]
+    dim = _norm(call.arg(1, "dim", 0), out.ndim)
+    nin = len(call.ins)
+    # legacy: 1-D empty tensors are skipped by cat; they can only be Broadcast
+    full = [t.ndim == out.ndim for t in call.ins]
+    sigs = []
+    for d in range(out.ndim):
+        if d != dim and out.shape[d] > 1:
+            sigs.append(Sig(tuple(Split(d) if f else _B for f in full), (Split(d),)))
+    if all(full):
+        sigs += [Sig((p,) * nin, (p,)) for p in _PARTIALS]
+    return sigs
+
+
+def _stack(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(1, "dim", 0), call.outs[0].ndim)
+    return _moves(call, lambda d: d if d < dim else d + 1, nin=len(call.ins))
+
+
+def _split(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(2, "dim", 0), call.ins[0].ndim)
+    return _moves(call, lambda d: None if d == dim else d, nout=len(call.outs))
+
+
+def _unbind(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(1, "dim", 0), call.ins[0].ndim)
+    return _moves(call, lambda d: None if d == dim else d - (d > dim), nout=len(call.outs))
+
+
+register(aten.cat.default, Rule(_cat, name="cat"))
+register(aten.stack.default, Rule(_stack, name="stack"))
+register([aten.split.Tensor, aten.split_with_sizes.default], Rule(_split, name="split"))
+register(aten.unbind.int, Rule(_unbind, name="unbind"))
+
+
+def _identity(call: Call) -> list[Sig]:
+    return [Sig((s,), (s,)) for s in all_sbps(call.ins[0].ndim)]
+
+
+register(aten.lift_fresh.default, Rule(_identity, name="identity"))

@@ -1,0 +1,257 @@
+"""GlobalTensor: a torch.Tensor wrapper subclass holding a global value as shards on a mesh.
+
+Its value is the global value; the layout (``TensorSpec``) only changes cost. Ops reach
+``dispatch`` through ``__torch_dispatch__`` below autograd, so gradients need no special code.
+Explicit redistribution (``to_global``) and leaving the global world (``full``) are autograd
+functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from . import boxing
+from .dispatch import dispatch
+from .mesh import Mesh
+from .sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
+from .spec import TensorSpec
+from .world import world
+
+__all__ = ["GlobalTensor", "to_global", "from_local"]
+
+
+class GlobalTensor(torch.Tensor):
+    _spec: TensorSpec
+    _shards: tuple  # one per mesh position; None where another process owns the device
+
+    @staticmethod
+    def _make(spec: TensorSpec, shards: tuple, stride=None, requires_grad: bool = False) -> GlobalTensor:
+        r = torch.Tensor._make_wrapper_subclass(
+            GlobalTensor,
+            spec.shape,
+            strides=stride,
+            dtype=spec.dtype,
+            device=_wrapper_device(),
+            requires_grad=requires_grad,
+        )
+        r._spec = spec
+        r._shards = shards
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+    # -- layout -------------------------------------------------------------------------------
+    @property
+    def spec(self) -> TensorSpec:
+        return self._spec
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._spec.mesh
+
+    @property
+    def sbp(self) -> tuple[SBP, ...]:
+        return self._spec.sbp
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        if self.grad_fn is not None:
+            grad = f", grad_fn=<{type(self.grad_fn).__name__}>"
+        return (
+            f"GlobalTensor(shape={list(self.shape)}, dtype={self.dtype}, mesh={self.mesh}, "
+            f"sbp={sbp_str(self.sbp)}{grad})"
+        )
+
+    # -- conversions --------------------------------------------------------------------------
+    def to_global(self, mesh: Mesh | None = None, sbp: SBP | Sequence[SBP] | None = None) -> GlobalTensor:
+        """The same global value laid out as (mesh, sbp); differentiable. Missing parts stay as they are."""
+        mesh = self.mesh if mesh is None else mesh
+        if sbp is None:
+            if mesh.ndim != self.mesh.ndim:
+                raise ValueError(f"to_global: give sbp when moving to a mesh with {mesh.ndim} axes")
+            sbp = self.sbp
+        dst = TensorSpec(self._spec.shape, self.dtype, mesh, normalize_sbp(sbp, mesh.ndim, self.ndim, "to_global"))
+        if dst == self._spec:
+            return self
+        return _Redistribute.apply(self, dst)
+
+    def full(self) -> torch.Tensor:
+        """A plain tensor holding the global value (gathered on every process); differentiable."""
+        return _ToFull.apply(self)
+
+    def to_local(self, device: int | None = None):
+        """The shard of ``device``; without it, this process's shard, or {device: shard} if it owns several."""
+        mesh = self.mesh
+        if device is not None:
+            if device not in mesh.devices:
+                raise ValueError(f"to_local: device {device} is not in {mesh}")
+            if not world().owns(device):
+                raise ValueError(f"to_local: device {device} belongs to another process")
+            return self._shards[mesh.devices.index(device)]
+        pos = mesh.local_positions
+        if len(pos) == 1:
+            return self._shards[pos[0]]
+        return {mesh.devices[p]: self._shards[p] for p in pos}
+
+
+def _wrapper_device() -> torch.device:
+    w = world()
+    return w.torch_device(w.local_devices[0])
+
+
+def _box(x: GlobalTensor, dst: TensorSpec) -> GlobalTensor:
+    return GlobalTensor._make(dst, boxing.box(x._shards, x._spec, dst))
+
+
+def _grad_spec(spec: TensorSpec) -> TensorSpec:
+    """The layout a gradient returns in: the input's, with Partial turned into Broadcast."""
+    return spec.with_sbp(tuple(Broadcast() if isinstance(s, Partial) else s for s in spec.sbp))
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, dst: TensorSpec):
+        ctx.src = x._spec
+        return _box(x, dst)
+
+    @staticmethod
+    def backward(ctx, g: GlobalTensor):
+        return _to_spec(g, _grad_spec(ctx.src)), None
+
+
+def _to_spec(g, spec: TensorSpec) -> GlobalTensor:
+    if not isinstance(g, GlobalTensor):
+        return _scatter_full(g, spec)
+    if g._spec == spec:
+        return g
+    if g.shape != spec.shape or g.dtype != spec.dtype:
+        raise AssertionError(f"gradient {g._spec} does not match {spec}")
+    return _box(g, spec)
+
+
+class _ToFull(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor):
+        ctx.spec = x._spec
+        rep = x._spec.with_sbp((Broadcast(),) * x.mesh.ndim)
+        shards = boxing.box(x._shards, x._spec, rep)
+        return shards[x.mesh.local_positions[0]].clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _scatter_full(g, _grad_spec(ctx.spec))
+
+
+class _FromFull(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, spec: TensorSpec):
+        return _scatter_full(t.detach(), spec)
+
+    @staticmethod
+    def backward(ctx, g: GlobalTensor):
+        return g.full() if isinstance(g, GlobalTensor) else g, None
+
+
+def _scatter_full(t: torch.Tensor, spec: TensorSpec) -> GlobalTensor:
+    """A GlobalTensor laid out as ``spec`` from a plain tensor holding the global value.
+
+    Every process must pass the same value. The value is copied once per torch device.
+    """
+    mesh = spec.mesh
+    w = world()
+    copies: dict = {}
+    shards = [None] * mesh.size
+    for p in mesh.local_positions:
+        dev = w.torch_device(mesh.devices[p])
+        if dev not in copies:
+            copies[dev] = t.detach().to(dev, copy=True)
+        shards[p] = copies[dev]
+    rep = spec.with_sbp((Broadcast(),) * mesh.ndim)
+    return GlobalTensor._make(spec, boxing.box(tuple(shards), rep, spec))
+
+
+def to_global(
+    tensor: torch.Tensor, mesh: Mesh, sbp: SBP | Sequence[SBP], *, requires_grad: bool | None = None
+) -> GlobalTensor:
+    """A GlobalTensor from a full tensor (every process passes the same value) or from a GlobalTensor.
+
+    ``sbp`` is one SBP for a 1-D mesh or one per mesh axis. Differentiable with respect to ``tensor``.
+    """
+    if isinstance(tensor, GlobalTensor):
+        return tensor.to_global(mesh, sbp)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"to_global: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"to_global: mesh must be a shoal.Mesh, got {type(mesh).__name__}")
+    spec = TensorSpec(tuple(tensor.shape), tensor.dtype, mesh, normalize_sbp(sbp, mesh.ndim, tensor.ndim, "to_global"))
+    if tensor.requires_grad:
+        out = _FromFull.apply(tensor, spec)
+    else:
+        out = _scatter_full(tensor, spec)
+    if requires_grad is not None:
+        out.requires_grad_(requires_grad)
+    return out
+
+
+def from_local(
+    shards: Mapping[int, torch.Tensor],
+    mesh: Mesh,
+    sbp: SBP | Sequence[SBP],
+    shape: Sequence[int] | None = None,
+) -> GlobalTensor:
+    """A GlobalTensor from the shards of this process's devices ({device id: tensor}); no copies.
+
+    ``shape`` is the global shape; without it, it is inferred from the shards (all devices must be
+    local then). Shard shapes must match the balanced layout of that shape.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"from_local: mesh must be a shoal.Mesh, got {type(mesh).__name__}")
+    w = world()
+    for d in shards:
+        w.check(d)
+        if d not in mesh.devices:
+            raise ValueError(f"from_local: device {d} is not in {mesh}")
+        if not w.owns(d):
+            raise ValueError(f"from_local: device {d} belongs to process {w.process_of(d)}, not this one")
+    missing = [mesh.devices[p] for p in mesh.local_positions if mesh.devices[p] not in shards]
+    if missing:
+        raise ValueError(f"from_local: no shard given for local device(s) {missing} of {mesh}")
+    some = next(iter(shards.values()))
+    nd = normalize_sbp(sbp, mesh.ndim, some.ndim, "from_local")
+    if shape is None:
+        if not mesh.is_fully_local:
+            raise ValueError("from_local: pass shape= when some devices of the mesh belong to other processes")
+        shape = _infer_shape(shards, mesh, nd)
+    spec = TensorSpec(tuple(shape), some.dtype, mesh, nd)
+    out = [None] * mesh.size
+    for p in mesh.local_positions:
+        t = shards[mesh.devices[p]]
+        if tuple(t.shape) != spec.local_shape(p) or t.dtype != spec.dtype:
+            raise ValueError(
+                f"from_local: the shard of device {mesh.devices[p]} has shape {list(t.shape)} ({t.dtype}); "
+                f"global shape {list(shape)} with sbp {sbp_str(nd)} needs {list(spec.local_shape(p))} "
+                f"({spec.dtype}) there"
+            )
+        out[p] = t
+    return GlobalTensor._make(spec, tuple(out))
+
+
+def _infer_shape(shards: Mapping[int, torch.Tensor], mesh: Mesh, sbp) -> tuple[int, ...]:
+    first = shards[mesh.devices[0]]
+    shape = list(first.shape)
+    for d in range(len(shape)):
+        axes = [a for a, s in enumerate(sbp) if s == Split(d)]
+        if not axes:
+            continue
+        total = 0
+        for dev, c in zip(mesh.devices, mesh.coords):
+            if all(c[a] == 0 for a in range(mesh.ndim) if a not in axes):
+                total += shards[dev].shape[d]
+        shape[d] = total
+    return tuple(shape)
