@@ -8,6 +8,7 @@ listed by ``coverage()``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -81,6 +82,15 @@ def coverage(reset: bool = False) -> Coverage:
 # argument templating: tensors become slots; everything else is part of the cache key
 
 
+class _Seq:
+    """A list or tuple argument that holds tensors."""
+
+    __slots__ = ("kind", "items")
+
+    def __init__(self, kind, items) -> None:
+        self.kind, self.items = kind, items
+
+
 def _template(obj, tensors: list, key: list):
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
@@ -89,7 +99,7 @@ def _template(obj, tensors: list, key: list):
     if isinstance(obj, (list, tuple)):
         if any(isinstance(e, torch.Tensor) for e in obj):
             key.append(len(obj))
-            return type(obj)(_template(e, tensors, key) for e in obj)
+            return _Seq(type(obj), [_template(e, tensors, key) for e in obj])
         key.append(tuple(obj))
         return obj
     key.append(obj)
@@ -97,11 +107,16 @@ def _template(obj, tensors: list, key: list):
 
 
 def _fill(obj, values):
-    if type(obj) is _Slot:
+    t = type(obj)
+    if t is _Slot:
         return values[obj.i]
-    if isinstance(obj, (list, tuple)) and obj and any(type(e) is _Slot for e in obj):
-        return type(obj)(_fill(e, values) for e in obj)
+    if t is _Seq:
+        return obj.kind(_fill(e, values) for e in obj.items)
     return obj
+
+
+def _fill_args(targs: tuple, values) -> tuple:
+    return tuple(_fill(a, values) for a in targs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,12 +146,14 @@ def dispatch(func, args: tuple, kwargs: dict):
         else:
             key.append((t.shape, t.dtype, t.stride()))
     try:
-        dec = _CACHE.get(tuple(key))
+        dec = _CACHE.get(tuple(key)) if _FORCED is None else None
     except TypeError:  # an unhashable static argument: decide without caching
         key = None
         dec = None
     if dec is None:
-        dec = _decide(func, args, kwargs, targs, tkwargs, tensors, mesh)
+        dec = _decide(func, targs, tkwargs, tensors, mesh)
+        if _FORCED is not None:
+            key = None
         if key is not None:
             _CACHE[tuple(key)] = dec
     if dec.replicated and func not in _FALLBACK_WARNED and not _is_value_op(func):
@@ -195,8 +212,16 @@ def _aliases(func, ntensor_inputs_by_arg: list[int | None]):
     return mutated, rets
 
 
-def _decide(func, args, kwargs, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
-    in_specs0 = [_spec_of(t, mesh) for t in tensors]
+@dataclass
+class _Prepared:
+    rule: Rule | None
+    call: Call | None  # None: no rule, a value op, or no meta kernel -> run replicated
+    mutated: tuple[int, ...]
+    returns_input: list[int | None]
+    out_template: object
+
+
+def _prepare(func, targs, tkwargs, tensors) -> _Prepared:
     # which tensor input each schema argument holds (single-tensor args only: mutation is per tensor)
     arg_to_tensor: list[int | None] = []
     for i, a in enumerate(func._schema.arguments):
@@ -204,49 +229,93 @@ def _decide(func, args, kwargs, targs, tkwargs, tensors, mesh: Mesh) -> _Decisio
         arg_to_tensor.append(v.i if type(v) is _Slot else None)
     mutated, ret_alias = _aliases(func, arg_to_tensor)
     rule = lookup(func)
+    if rule is None or rule.replicated:
+        return _Prepared(rule, None, mutated, [], None)
     metas = [_meta(t) for t in tensors]
-    margs, mkwargs = _fill(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
-    out_meta = None
-    if rule is not None and not rule.replicated:
-        try:
-            out_meta = func(*margs, **mkwargs)
-        except Exception:  # no meta kernel or a data-dependent shape: decide on real values instead
-            out_meta = None
-    if out_meta is None or rule is None or rule.replicated:
-        return _replicated_decision(mesh, in_specs0, mutated, rule)
-
+    margs, mkwargs = _fill_args(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
+    try:
+        out_meta = func(*margs, **mkwargs)
+    except Exception:  # no meta kernel or a data-dependent shape: decide on real values instead
+        return _Prepared(rule, None, mutated, [], None)
     out_tensors: list = []
     out_template = _template(out_meta, out_tensors, [])
     call = Call(func, margs, mkwargs, tuple(metas), tuple(out_tensors))
-    returns_input = _returned_inputs(out_meta, ret_alias, len(out_tensors))
-    best = None
-    for ins, outs in expand(call, rule, mesh.shape):
-        if any(i is not None and ins[i] != outs[k] for k, i in enumerate(returns_input)):
+    return _Prepared(rule, call, mutated, _returned_inputs(out_meta, ret_alias, len(out_tensors)), out_template)
+
+
+def _signatures(prep: _Prepared, mesh: Mesh):
+    for ins, outs in expand(prep.call, prep.rule, mesh.shape):
+        if any(i is not None and ins[i] != outs[k] for k, i in enumerate(prep.returns_input)):
             continue  # an in-place result has the layout its input is computed in
+        yield ins, outs
+
+
+def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
+    in_specs0 = [_spec_of(t, mesh) for t in tensors]
+    prep = _prepare(func, targs, tkwargs, tensors)
+    if prep.call is None:
+        return _replicated_decision(mesh, in_specs0, prep.mutated)
+    best = None
+    for ins, outs in _signatures(prep, mesh):
+        if _FORCED is not None:
+            if (ins, outs) == _FORCED:
+                best = (0.0, ins, outs)
+                break
+            continue
         cost = 0.0
         for i, (spec, sbp) in enumerate(zip(in_specs0, ins)):
             if spec.sbp != sbp:
-                cost += boxing.cost(spec, sbp) + (_INPLACE_RELAYOUT_COST if i in mutated else 0.0)
+                cost += boxing.cost(spec, sbp) + (_INPLACE_RELAYOUT_COST if i in prep.mutated else 0.0)
         if best is None or cost < best[0]:
             best = (cost, ins, outs)
+    if best is None:
+        raise AssertionError(f"{func}: the forced signature {_FORCED} is not among the rule's signatures")
     _, ins, outs = best
+    call, rule = prep.call, prep.rule
     in_specs = tuple(s.with_sbp(sbp) for s, sbp in zip(in_specs0, ins))
-    out_specs = tuple(TensorSpec(tuple(o.shape), o.dtype, mesh, sbp) for o, sbp in zip(out_tensors, outs))
-    local = rule.local(call, ins, outs) if rule.local is not None else None
-    all_b = all(all(isinstance(s, Broadcast) for s in sp.sbp) for sp in out_specs)
+    out_specs = tuple(TensorSpec(tuple(o.shape), o.dtype, mesh, sbp) for o, sbp in zip(call.outs, outs))
     return _Decision(
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
-        out_strides=tuple(o.stride() for o in out_tensors),
-        out_template=out_template,
-        mutated=mutated,
-        returns_input=tuple(returns_input),
+        out_strides=tuple(o.stride() for o in call.outs),
+        out_template=prep.out_template,
+        mutated=prep.mutated,
+        returns_input=tuple(prep.returns_input),
         size_arg=rule.size_arg,
-        local=local,
+        local=rule.local(call, ins, outs) if rule.local is not None else None,
         replicated=False,
-        run_once=all_b and all(all(isinstance(s, Broadcast) for s in sp.sbp) for sp in in_specs),
+        run_once=_all_b(out_specs) and _all_b(in_specs),
     )
+
+
+def _all_b(specs) -> bool:
+    return all(all(type(s) is Broadcast for s in sp.sbp) for sp in specs)
+
+
+# -- for the validator: list a call's signatures, and force one -------------------------------
+
+_FORCED = None
+
+
+def signatures(func, args: tuple, kwargs: dict, mesh: Mesh) -> list:
+    """Every exact n-D signature the registry offers for this call on ``mesh`` (plain tensor args)."""
+    tensors: list = []
+    targs = tuple(_template(a, tensors, []) for a in args)
+    tkwargs = {k: _template(v, tensors, []) for k, v in kwargs.items()}
+    prep = _prepare(func, targs, tkwargs, tensors)
+    return [] if prep.call is None else list(_signatures(prep, mesh))
+
+
+@contextlib.contextmanager
+def force(ins, outs):
+    """Run ops inside with exactly this signature (bypassing the cache); for the validator."""
+    global _FORCED
+    prev, _FORCED = _FORCED, (ins, outs)
+    try:
+        yield
+    finally:
+        _FORCED = prev
 
 
 def _returned_inputs(out_meta, ret_alias, n: int) -> list[int | None]:
@@ -262,7 +331,7 @@ def _returned_inputs(out_meta, ret_alias, n: int) -> list[int | None]:
     return out
 
 
-def _replicated_decision(mesh, in_specs0, mutated, rule: Rule | None) -> _Decision:
+def _replicated_decision(mesh, in_specs0, mutated) -> _Decision:
     rep = (_B,) * mesh.ndim
     return _Decision(
         mesh=mesh,
@@ -291,18 +360,21 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
     for t, spec in zip(tensors, dec.in_specs):
         if isinstance(t, GlobalTensor):
             src = t._spec
-            shards_in.append(t._shards if src.sbp == spec.sbp else boxing.box(t._shards, src, spec))
+            shards_in.append(t._shards if src.sbp == spec.sbp else t._shards_as(spec))
         else:
-            shards_in.append(_plain_shards(t, mesh))
+            shards = _plain_shards(t, mesh)
+            rep = spec.with_sbp((_B,) * mesh.ndim)
+            shards_in.append(shards if spec == rep else boxing.box(shards, rep, spec))
     once = dec.run_once and all(_same_everywhere(s, positions) for s in shards_in)
-    if not once and dec.mutated:
-        _unshare_mutated(dec.mutated, shards_in, positions)
     fn = dec.local or func
     results: list = [None] * mesh.size
     run_at = positions[:1] if once else positions
+    same_as: dict = {}
+    if not once and dec.mutated:
+        run_at, same_as = _plan_writes(dec.mutated, shards_in, positions)
     for p in run_at:
         vals = [s[p] for s in shards_in]
-        a = _fill(targs, vals)
+        a = _fill_args(targs, vals)
         if dec.size_arg is not None:
             a = list(a)
             a[dec.size_arg] = list(dec.out_specs[0].local_shape(p))
@@ -311,12 +383,16 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
     if once:
         for p in positions[1:]:
             results[p] = results[positions[0]]
+    for q, p in same_as.items():
+        results[q] = results[p]
     # mutated inputs take the layout they were computed in
     for i in dec.mutated:
         t = tensors[i]
-        if isinstance(t, GlobalTensor) and (t._shards is not shards_in[i] or t._spec != dec.in_specs[i]):
-            t._spec = dec.in_specs[i]
-            t._shards = shards_in[i]
+        if isinstance(t, GlobalTensor):
+            t._resolved = None
+            if t._shards is not shards_in[i] or t._spec != dec.in_specs[i]:
+                t._spec = dec.in_specs[i]
+                t._shards = shards_in[i]
     if dec.replicated:
         return _wrap_replicated(results, positions, mesh, tensors, dec)
     first = results[positions[0]]
@@ -351,20 +427,37 @@ def _same_everywhere(shards, positions) -> bool:
     return all(shards[p] is first for p in positions)
 
 
-def _unshare_mutated(mutated, shards_in, positions) -> None:
-    """An op writing to a shard that several devices share must not write it several times."""
-    for i in mutated:
-        s = shards_in[i]
-        seen = set()
-        new = list(s)
-        changed = False
-        for p in positions:
-            if id(s[p]) in seen:
-                new[p] = s[p].clone()
-                changed = True
-            seen.add(id(s[p]))
-        if changed:
-            shards_in[i] = tuple(new)
+def _region(t) -> tuple:
+    if isinstance(t, torch.Tensor):
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    return (id(t),)
+
+
+def _plan_writes(mutated, shards_in: list, positions) -> tuple[list, dict]:
+    """Shards of several devices may be one piece of memory (Broadcast shares it on CPU).
+
+    An op writing such a piece runs once if those devices also read the same inputs; otherwise the
+    piece is copied first so that each device writes its own. Returns (positions to run at,
+    {skipped position: the position whose result it shares}).
+    """
+    run_at, same_as = [], {}
+    seen_write: dict = {}  # region of the written shards -> (position, regions of all inputs)
+    for p in positions:
+        writes = tuple(_region(shards_in[i][p]) for i in mutated)
+        reads = tuple(_region(s[p]) for s in shards_in)
+        prev = seen_write.get(writes)
+        if prev is None:
+            seen_write[writes] = (p, reads)
+            run_at.append(p)
+        elif prev[1] == reads:
+            same_as[p] = prev[0]
+        else:
+            for i in mutated:
+                new = list(shards_in[i])
+                new[p] = new[p].clone()
+                shards_in[i] = tuple(new)
+            run_at.append(p)
+    return run_at, same_as
 
 
 def _plain_shards(t: torch.Tensor, mesh: Mesh) -> tuple:

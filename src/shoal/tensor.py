@@ -38,7 +38,26 @@ class GlobalTensor(torch.Tensor):
         )
         r._spec = spec
         r._shards = shards
+        r._resolved = None
         return r
+
+    def _shards_as(self, dst: TensorSpec) -> tuple:
+        """This value's shards in layout ``dst`` (boxing if needed).
+
+        Summing Partial shards rounds differently along different boxing paths, so the first
+        conversion out of Partial(sum) is remembered and later ones start from it: the same tensor
+        never shows two values (``x == x.amax()`` in a backward stays consistent), and is reduced once.
+        """
+        src = self._spec
+        if src.sbp == dst.sbp and src.mesh == dst.mesh:
+            return self._shards
+        memo = self._resolved
+        if memo is not None:
+            return boxing.box(memo[1], memo[0], dst)
+        out = boxing.box(self._shards, src, dst)
+        if src.mesh == dst.mesh and _has_sum(src.sbp) and not _has_sum(dst.sbp):
+            self._resolved = (dst, out)
+        return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -105,8 +124,12 @@ def _wrapper_device() -> torch.device:
     return w.torch_device(w.local_devices[0])
 
 
+def _has_sum(sbp) -> bool:
+    return any(isinstance(s, Partial) and s.op == "sum" for s in sbp)
+
+
 def _box(x: GlobalTensor, dst: TensorSpec) -> GlobalTensor:
-    return GlobalTensor._make(dst, boxing.box(x._shards, x._spec, dst))
+    return GlobalTensor._make(dst, x._shards_as(dst))
 
 
 def _grad_spec(spec: TensorSpec) -> TensorSpec:
@@ -140,8 +163,7 @@ class _ToFull(torch.autograd.Function):
     def forward(ctx, x: GlobalTensor):
         ctx.spec = x._spec
         rep = x._spec.with_sbp((Broadcast(),) * x.mesh.ndim)
-        shards = boxing.box(x._shards, x._spec, rep)
-        return shards[x.mesh.local_positions[0]].clone()
+        return x._shards_as(rep)[x.mesh.local_positions[0]].clone()
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):

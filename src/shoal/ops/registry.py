@@ -69,22 +69,28 @@ def register(ops: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], rule:
         if op in _RULES:
             raise ValueError(f"shoal: a rule for {op} is already registered")
         _RULES[op] = rule
+    _RESOLVED.clear()
     return rule
 
 
 def register_generic(pred: Callable[[torch._ops.OpOverload], bool], rule: Rule) -> None:
     """A rule for every op ``pred`` accepts (e.g. by ``torch.Tag.pointwise``), after explicit ones."""
     _GENERIC.append((pred, rule))
+    _RESOLVED.clear()
+
+
+_RESOLVED: dict[torch._ops.OpOverload, Rule | None] = {}
 
 
 def lookup(func: torch._ops.OpOverload) -> Rule | None:
-    rule = _RULES.get(func)
-    if rule is None:
-        for pred, r in _GENERIC:
-            if pred(func):
-                _RULES[func] = r
-                return r
-    return rule
+    try:
+        return _RESOLVED[func]
+    except KeyError:
+        rule = _RULES.get(func)
+        if rule is None:
+            rule = next((r for pred, r in _GENERIC if pred(func)), None)
+        _RESOLVED[func] = rule
+        return rule
 
 
 def registered_ops() -> list[torch._ops.OpOverload]:

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..sbp import Broadcast, Partial, Split
-from .registry import Call, Rule, Sig, all_sbps, register
+from .registry import Call, Rule, Sig, register
 
 aten = torch.ops.aten
 _B = Broadcast()
@@ -144,15 +144,24 @@ def _unsqueeze(call: Call) -> list[Sig]:
     return _moves(call, lambda d: d if d < dim else d + 1)
 
 
-def _squeeze(call: Call) -> list[Sig]:
+def _squeezed(call: Call) -> list[int]:
+    """The dims squeeze removes: those of global size 1 (a shard may be size 1 where the global is not)."""
     x = call.ins[0]
     if call.func == aten.squeeze.default:
-        dims = [d for d in range(x.ndim) if x.shape[d] == 1]
-    else:
-        dims = call.arg(1, "dim")
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        dims = [_norm(d, x.ndim) for d in dims if x.shape[_norm(d, x.ndim)] == 1]
+        return [d for d in range(x.ndim) if x.shape[d] == 1]
+    dims = call.arg(1, "dim")
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return [_norm(d, x.ndim) for d in dims if x.shape[_norm(d, x.ndim)] == 1]
+
+
+def _squeeze(call: Call) -> list[Sig]:
+    dims = _squeezed(call)
     return _moves(call, lambda d: None if d in dims else d - sum(1 for r in dims if r < d))
+
+
+def _squeeze_local(call: Call, ins, outs):
+    dims = _squeezed(call)
+    return lambda x, *_: aten.squeeze.dims(x, dims)
 
 
 def _expand(call: Call) -> list[Sig]:
@@ -170,7 +179,9 @@ def _expand(call: Call) -> list[Sig]:
 
 
 register(aten.unsqueeze.default, Rule(_unsqueeze, name="unsqueeze"))
-register([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], Rule(_squeeze, name="squeeze"))
+register(
+    [aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], Rule(_squeeze, local=_squeeze_local, name="squeeze")
+)
 register(aten.expand.default, Rule(_expand, size_arg=1, name="expand"))
 
 
@@ -237,10 +248,3 @@ register(aten.cat.default, Rule(_cat, name="cat"))
 register(aten.stack.default, Rule(_stack, name="stack"))
 register([aten.split.Tensor, aten.split_with_sizes.default], Rule(_split, name="split"))
 register(aten.unbind.int, Rule(_unbind, name="unbind"))
-
-
-def _identity(call: Call) -> list[Sig]:
-    return [Sig((s,), (s,)) for s in all_sbps(call.ins[0].ndim)]
-
-
-register(aten.lift_fresh.default, Rule(_identity, name="identity"))

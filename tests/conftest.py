@@ -1,0 +1,18 @@
+import pytest
+import torch
+
+import shoal
+
+shoal.init(devices=4)
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def meshes():
+    """The oracle meshes: (1,), (2,), (3,), (2,2) over a world of 4 virtual devices."""
+    return {
+        (1,): shoal.Mesh([0]),
+        (2,): shoal.Mesh([0, 1]),
+        (3,): shoal.Mesh([0, 1, 2]),
+        (2, 2): shoal.Mesh([[0, 1], [2, 3]], axes=("dp", "tp")),
+    }
