@@ -14,12 +14,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch._decomp import decomposition_table
 
 from . import boxing
 from .mesh import Mesh
 from .ops.registry import Call, Rule, expand, lookup
 from .sbp import Broadcast, sbp_str
 from .spec import TensorSpec
+from .world import world
 
 __all__ = ["dispatch", "coverage", "Coverage"]
 
@@ -47,34 +49,61 @@ class _Decision:
     returns_input: tuple[int | None, ...]  # per tensor output: the input it aliases in place, if any
     size_arg: int | None
     local: object  # callable replacing func on shards, or None
-    replicated: bool  # run once on Broadcast inputs (fallback or value op)
+    local_ctx: bool  # local takes a Shard context first (its position and the specs)
+    kind: str  # "rule" | "value" (run once on Broadcast, by design) | "fallback" | "decompose" | "random"
     run_once: bool  # every shard computes the same thing: compute once and share (CPU)
+
+    @property
+    def replicated(self) -> bool:
+        return self.kind in ("value", "fallback")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """What a context-taking local function learns about the shard it runs on."""
+
+    pos: int  # mesh position
+    in_specs: tuple[TensorSpec, ...]
+    out_specs: tuple[TensorSpec, ...]
 
 
 _CACHE: dict = {}
 _FALLBACK_WARNED: set = set()
+_DECOMPOSING: set = set()  # ops being decomposed now: their parts must not decompose into them again
 
 
 @dataclass
 class Coverage:
     by_rule: Counter
+    by_decomposition: Counter
     by_fallback: Counter
 
     def __repr__(self) -> str:
-        lines = [f"shoal coverage: {len(self.by_rule)} op(s) by rule, {len(self.by_fallback)} by fallback"]
+        lines = [
+            f"shoal coverage: {len(self.by_rule)} op(s) by rule, {len(self.by_decomposition)} by decomposition, "
+            f"{len(self.by_fallback)} by fallback"
+        ]
         lines += [f"  fallback  {op}  x{n}" for op, n in self.by_fallback.most_common()]
         return "\n".join(lines)
 
 
-_COVERAGE = Coverage(Counter(), Counter())
+_COVERAGE = Coverage(Counter(), Counter(), Counter())
+_COUNTER_OF = {
+    "rule": "by_rule",
+    "value": "by_rule",
+    "random": "by_rule",
+    "fallback": "by_fallback",
+    "decompose": "by_decomposition",
+}
 
 
 def coverage(reset: bool = False) -> Coverage:
-    """Ops served by rules vs by the replicated fallback since start (or the last reset)."""
-    out = Coverage(Counter(_COVERAGE.by_rule), Counter(_COVERAGE.by_fallback))
+    """Ops served by rules, by decomposition into ruled ops, and by the replicated fallback since
+    start (or the last reset)."""
+    out = Coverage(*(Counter(getattr(_COVERAGE, f)) for f in ("by_rule", "by_decomposition", "by_fallback")))
     if reset:
-        _COVERAGE.by_rule.clear()
-        _COVERAGE.by_fallback.clear()
+        for f in ("by_rule", "by_decomposition", "by_fallback"):
+            getattr(_COVERAGE, f).clear()
     return out
 
 
@@ -156,15 +185,23 @@ def dispatch(func, args: tuple, kwargs: dict):
             key = None
         if key is not None:
             _CACHE[tuple(key)] = dec
-    if dec.replicated and func not in _FALLBACK_WARNED and not _is_value_op(func):
+    kind = dec.kind
+    getattr(_COVERAGE, _COUNTER_OF[kind])[func] += 1
+    if kind == "rule":
+        return _execute(func, dec, targs, tkwargs, tensors)
+    if kind == "decompose":
+        rule = lookup(func)
+        fn = rule.decomposition if rule is not None and rule.decomposition is not None else decomposition_table[func]
+        _DECOMPOSING.add(func)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _DECOMPOSING.discard(func)
+    if kind == "random":
+        return _random(func, dec, targs, tkwargs, tensors)
+    if kind == "fallback" and func not in _FALLBACK_WARNED:
         _warn_fallback(func, tensors)
-    (_COVERAGE.by_fallback if dec.replicated and not _is_value_op(func) else _COVERAGE.by_rule)[func] += 1
     return _execute(func, dec, targs, tkwargs, tensors)
-
-
-def _is_value_op(func) -> bool:
-    r = lookup(func)
-    return r is not None and r.replicated
 
 
 def _warn_fallback(func, tensors) -> None:
@@ -221,7 +258,7 @@ class _Prepared:
     out_template: object
 
 
-def _prepare(func, targs, tkwargs, tensors) -> _Prepared:
+def _prepare(func, targs, tkwargs, tensors, specs: tuple = ()) -> _Prepared:
     # which tensor input each schema argument holds (single-tensor args only: mutation is per tensor)
     arg_to_tensor: list[int | None] = []
     for i, a in enumerate(func._schema.arguments):
@@ -229,7 +266,7 @@ def _prepare(func, targs, tkwargs, tensors) -> _Prepared:
         arg_to_tensor.append(v.i if type(v) is _Slot else None)
     mutated, ret_alias = _aliases(func, arg_to_tensor)
     rule = lookup(func)
-    if rule is None or rule.replicated:
+    if rule is None or rule.kind == "value":
         return _Prepared(rule, None, mutated, [], None)
     metas = [_meta(t) for t in tensors]
     margs, mkwargs = _fill_args(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
@@ -239,7 +276,7 @@ def _prepare(func, targs, tkwargs, tensors) -> _Prepared:
         return _Prepared(rule, None, mutated, [], None)
     out_tensors: list = []
     out_template = _template(out_meta, out_tensors, [])
-    call = Call(func, margs, mkwargs, tuple(metas), tuple(out_tensors))
+    call = Call(func, margs, mkwargs, tuple(metas), tuple(out_tensors), specs)
     return _Prepared(rule, call, mutated, _returned_inputs(out_meta, ret_alias, len(out_tensors)), out_template)
 
 
@@ -252,9 +289,19 @@ def _signatures(prep: _Prepared, mesh: Mesh):
 
 def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
     in_specs0 = [_spec_of(t, mesh) for t in tensors]
-    prep = _prepare(func, targs, tkwargs, tensors)
+    prep = _prepare(func, targs, tkwargs, tensors, tuple(in_specs0))
+    rule = prep.rule
+    decomposable = func in decomposition_table and func not in _DECOMPOSING
     if prep.call is None:
-        return _replicated_decision(mesh, in_specs0, prep.mutated)
+        if rule is not None and rule.kind == "value":
+            return _other_decision(mesh, in_specs0, prep.mutated, "value")
+        if decomposable:
+            return _other_decision(mesh, in_specs0, prep.mutated, "decompose")
+        return _other_decision(mesh, in_specs0, prep.mutated, "fallback")
+    can_decompose = rule.decomposition is not None or decomposable
+    if rule.decompose is not None and can_decompose and func not in _DECOMPOSING:
+        if rule.decompose(prep.call, tuple(in_specs0)):
+            return _other_decision(mesh, in_specs0, prep.mutated, "decompose")
     best = None
     for ins, outs in _signatures(prep, mesh):
         if _FORCED is not None:
@@ -284,8 +331,9 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
         returns_input=tuple(prep.returns_input),
         size_arg=rule.size_arg,
         local=rule.local(call, ins, outs) if rule.local is not None else None,
-        replicated=False,
-        run_once=_all_b(out_specs) and _all_b(in_specs),
+        local_ctx=rule.local_ctx,
+        kind=rule.kind,
+        run_once=_all_b(out_specs) and _all_b(in_specs) and rule.kind == "rule",
     )
 
 
@@ -331,7 +379,8 @@ def _returned_inputs(out_meta, ret_alias, n: int) -> list[int | None]:
     return out
 
 
-def _replicated_decision(mesh, in_specs0, mutated) -> _Decision:
+def _other_decision(mesh, in_specs0, mutated, kind: str) -> _Decision:
+    """Replicated runs (inputs made Broadcast) and decompositions (the op re-dispatched in parts)."""
     rep = (_B,) * mesh.ndim
     return _Decision(
         mesh=mesh,
@@ -343,7 +392,8 @@ def _replicated_decision(mesh, in_specs0, mutated) -> _Decision:
         returns_input=(),
         size_arg=None,
         local=None,
-        replicated=True,
+        local_ctx=False,
+        kind=kind,
         run_once=True,
     )
 
@@ -379,7 +429,10 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
             a = list(a)
             a[dec.size_arg] = list(dec.out_specs[0].local_shape(p))
         kw = {k: _fill(v, vals) for k, v in tkwargs.items()} if tkwargs else {}
-        results[p] = fn(*a, **kw)
+        if dec.local_ctx:
+            results[p] = fn(Shard(p, dec.in_specs, dec.out_specs), *a, **kw)
+        else:
+            results[p] = fn(*a, **kw)
     if once:
         for p in positions[1:]:
             results[p] = results[positions[0]]
@@ -412,6 +465,30 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
         else:
             wrapped.append(GlobalTensor._make(spec, tuple(per_out[k]), dec.out_strides[k]))
     return _fill(dec.out_template, wrapped)
+
+
+def _random(func, dec: _Decision, targs, tkwargs, tensors):
+    """Draw the global value exactly as one device would (same op, same RNG calls, global shape),
+    then keep each shard's part: with the same seed, results equal single-device torch."""
+    from .tensor import GlobalTensor, _scatter_full
+
+    mesh = dec.mesh
+    dev = world().torch_device(mesh.devices[mesh.local_positions[0]])
+    full_in = [torch.empty(t.shape, dtype=t.dtype, device=dev) if isinstance(t, GlobalTensor) else t for t in tensors]
+    out = func(*_fill_args(targs, full_in), **{k: _fill(v, full_in) for k, v in tkwargs.items()})
+    for i in dec.mutated:
+        t = tensors[i]
+        spec = dec.in_specs[i]
+        drawn = _scatter_full(full_in[i], spec)
+        if t._spec == spec:
+            for p in mesh.local_positions:  # write in place: views of t stay views (shared shards get it twice)
+                t._shards[p].copy_(drawn._shards[p])
+        else:
+            t._spec, t._shards = spec, drawn._shards
+        t._resolved = None
+    if dec.mutated:
+        return tensors[dec.mutated[0]]
+    return _scatter_full(out, dec.out_specs[0])
 
 
 def _collect(obj, out: list) -> None:
@@ -462,8 +539,6 @@ def _plan_writes(mutated, shards_in: list, positions) -> tuple[list, dict]:
 
 def _plain_shards(t: torch.Tensor, mesh: Mesh) -> tuple:
     """A plain tensor meeting a GlobalTensor is taken as Broadcast on its mesh."""
-    from .world import world
-
     w = world()
     out = [None] * mesh.size
     for p in mesh.local_positions:

@@ -36,4 +36,4 @@ register(
     [aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default],
     Rule(_new, size_arg=1, name="new"),
 )
-register([aten._local_scalar_dense.default, aten.equal.default], Rule(replicated=True, name="value"))
+register([aten._local_scalar_dense.default, aten.equal.default], Rule(kind="value", name="value"))

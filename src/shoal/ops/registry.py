@@ -39,6 +39,8 @@ class Call:
     kwargs: dict
     ins: tuple[torch.Tensor, ...]
     outs: tuple[torch.Tensor, ...]
+    # the inputs' actual layouts; only rules with ``nd=True`` may read them (others must not depend on them)
+    specs: tuple = ()
 
     def arg(self, i: int, name: str, default=None):
         if i < len(self.args):
@@ -55,8 +57,18 @@ class Rule:
     check_nd: Callable[[Call, tuple[NdSBP, ...], tuple[NdSBP, ...], tuple[int, ...]], bool] | None = None
     # replace the op run on each shard for a given n-D signature (e.g. mean over a split dim -> sum/N)
     local: Callable[[Call, tuple[NdSBP, ...], tuple[NdSBP, ...]], Callable | None] | None = None
-    # value ops (.item(), equal): inputs made Broadcast and the op run once, by design not a fallback
-    replicated: bool = False
+    # local is called as local(Shard, *args): it needs its shard's position or specs (e.g. vocab offsets)
+    local_ctx: bool = False
+    # "rule": run on shards per the signature; "value" (.item(), equal): inputs made Broadcast and the op
+    # run once, by design; "random": the global value is drawn as one device would, then sharded
+    kind: str = "rule"
+    # decompose this call (into ops that have rules) when the predicate holds for the input specs,
+    # with ``decomposition`` or else torch's decomposition of the op (e.g. softmax over a split dim)
+    decompose: Callable[[Call, tuple], bool] | None = None
+    decomposition: Callable | None = None
+    # candidates returns n-D signatures directly, as (input nd-SBPs, output nd-SBPs) pairs, and may read
+    # call.specs (e.g. foreach ops, whose lists are too long to expand axis by axis)
+    nd: bool = False
     name: str = field(default="", compare=False)
 
 
@@ -103,8 +115,11 @@ def all_sbps(ndim: int, partial: Sequence[str] = ("sum", "max", "min")) -> list[
 
 def expand(call: Call, rule: Rule, mesh_shape: tuple[int, ...]) -> list[tuple[tuple[NdSBP, ...], tuple[NdSBP, ...]]]:
     """All exact n-D signatures: (input nd-SBPs, output nd-SBPs), the all-Broadcast one last."""
-    one = list(dict.fromkeys(rule.candidates(call)))
     nin, nout = len(call.ins), len(call.outs)
+    if rule.nd:
+        rep_nd = (((_B,) * len(mesh_shape),) * nin, ((_B,) * len(mesh_shape),) * nout)
+        return [*(c for c in rule.candidates(call) if c != rep_nd), rep_nd]
+    one = list(dict.fromkeys(rule.candidates(call)))
     rep = Sig((_B,) * nin, (_B,) * nout)
     if rep not in one:
         one.append(rep)
