@@ -299,9 +299,9 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
             return _other_decision(mesh, in_specs0, prep.mutated, "decompose")
         return _other_decision(mesh, in_specs0, prep.mutated, "fallback")
     can_decompose = rule.decomposition is not None or decomposable
-    if rule.decompose is not None and can_decompose and func not in _DECOMPOSING:
-        if rule.decompose(prep.call, tuple(in_specs0)):
-            return _other_decision(mesh, in_specs0, prep.mutated, "decompose")
+    wants = rule.decompose is not None and can_decompose and func not in _DECOMPOSING and _FORCED is None
+    if wants and rule.decompose(prep.call, tuple(in_specs0)):
+        return _other_decision(mesh, in_specs0, prep.mutated, "decompose")
     best = None
     for ins, outs in _signatures(prep, mesh):
         if _FORCED is not None:

@@ -1,6 +1,9 @@
 """Op rules, one module per family, all in the one registry of ``registry``."""
 
-from . import factory, matrix, pointwise, random, reduction, view  # noqa: F401  (each registers its rules)
+from . import factory, matrix, pointwise, random, reduction, view
 from .registry import Call, Rule, Sig, lookup, register, registered_ops
 
-__all__ = ["Call", "Rule", "Sig", "lookup", "register", "registered_ops"]
+# each family module registers its rules on import; validator samples may live beside them
+FAMILIES = (factory, matrix, pointwise, random, reduction, view)
+
+__all__ = ["Call", "Rule", "Sig", "lookup", "register", "registered_ops", "FAMILIES"]
