@@ -8,6 +8,7 @@ from . import ops  # noqa: F401  (registers the op rules)
 from .comm.counter import CommCounter
 from .dispatch import coverage
 from .mesh import Mesh
+from .parallel import Plan, data_parallel, distribute_module, memory_per_device, shard_optimizer_state
 from .sbp import SBP, B, Broadcast, P, Partial, S, Split
 from .spec import TensorSpec
 from .tensor import GlobalTensor, from_local, to_global
