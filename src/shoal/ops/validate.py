@@ -162,6 +162,7 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
     aten.equal.default: lambda: [S_(r(5, 3), r(5, 3))],
 }
 
+
 def _family_samples() -> None:
     """Family modules may keep their own samples as ``SAMPLES = {op: lambda: [(args, kwargs), ...]}``."""
     from . import FAMILIES

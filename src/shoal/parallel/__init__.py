@@ -72,9 +72,7 @@ def distribute_module(module: nn.Module, mesh: Mesh, plan: Plan | Mapping[str, L
     for name, layout in plan.inputs.items():
         _sub(modules, name, "inputs").register_forward_pre_hook(_relayout_hook(mesh, layout, f"inputs of {name!r}"))
     for name, layout in plan.outputs.items():
-        _sub(modules, name, "outputs").register_forward_hook(
-            lambda m, args, out, f=_relayout_fn(mesh, layout, f"outputs of {name!r}"): f(out)
-        )
+        _sub(modules, name, "outputs").register_forward_hook(_output_hook(mesh, layout, f"outputs of {name!r}"))
     return module
 
 
@@ -120,6 +118,11 @@ def _relayout_hook(mesh: Mesh, layout, what: str):
     return lambda mod, args: f(tuple(args))
 
 
+def _output_hook(mesh: Mesh, layout, what: str):
+    f = _relayout_fn(mesh, layout, what)
+    return lambda mod, args, out: f(out)
+
+
 def _is_layout(x) -> bool:
     return isinstance(x, SBP) or (isinstance(x, (tuple, list)) and len(x) > 0 and all(isinstance(s, SBP) for s in x))
 
@@ -155,7 +158,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: Mesh, axis: st
     a = mesh.axis_index(axis)
 
     def shard_state(opt, *_):
-        for p, st in opt.state.items():
+        for st in opt.state.values():
             for k, v in list(st.items()):
                 if isinstance(v, GlobalTensor) and v.ndim > 0 and v.mesh == mesh:
                     want = zero_layout(v.sbp, v.shape, mesh, a)
