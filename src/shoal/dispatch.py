@@ -52,10 +52,12 @@ class _Decision:
     local_ctx: bool  # local takes a Shard context first (its position and the specs)
     kind: str  # "rule" | "value" (run once on Broadcast, by design) | "fallback" | "decompose" | "random"
     run_once: bool  # every shard computes the same thing: compute once and share (CPU)
-
-    @property
-    def replicated(self) -> bool:
-        return self.kind in ("value", "fallback")
+    tensor_args: tuple[int, ...]  # positions of the tensor args (calls without kwargs or tensor lists)
+    calls: list  # [func, number of calls]: coverage counts live in the decisions (cheap to bump)
+    positions: tuple[int, ...]  # mesh positions this process owns
+    single_out: bool  # exactly one tensor output, a fresh one (not an in-place result)
+    device: torch.device  # the wrapper device of outputs
+    replicated: bool  # kind is "value" or "fallback": Broadcast inputs, run once
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class Shard:
 
 
 _CACHE: dict = {}
+_GT: type = type(None)  # GlobalTensor, set by shoal.tensor (it imports this module)
 _FALLBACK_WARNED: set = set()
 _DECOMPOSING: set = set()  # ops being decomposed now: their parts must not decompose into them again
 
@@ -87,7 +90,6 @@ class Coverage:
         return "\n".join(lines)
 
 
-_COVERAGE = Coverage(Counter(), Counter(), Counter())
 _COUNTER_OF = {
     "rule": "by_rule",
     "value": "by_rule",
@@ -95,15 +97,19 @@ _COUNTER_OF = {
     "fallback": "by_fallback",
     "decompose": "by_decomposition",
 }
+_DECISIONS: list = []  # every decision made, cached or not, for coverage()
 
 
 def coverage(reset: bool = False) -> Coverage:
     """Ops served by rules, by decomposition into ruled ops, and by the replicated fallback since
     start (or the last reset)."""
-    out = Coverage(*(Counter(getattr(_COVERAGE, f)) for f in ("by_rule", "by_decomposition", "by_fallback")))
-    if reset:
-        for f in ("by_rule", "by_decomposition", "by_fallback"):
-            getattr(_COVERAGE, f).clear()
+    out = Coverage(Counter(), Counter(), Counter())
+    for dec in _DECISIONS:
+        func, n = dec.calls
+        if n:
+            getattr(out, _COUNTER_OF[dec.kind])[func] += n
+        if reset:
+            dec.calls[1] = 0
     return out
 
 
@@ -152,43 +158,59 @@ def _fill_args(targs: tuple, values) -> tuple:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    from .tensor import GlobalTensor
-
+    # the cache key: the op, every static argument, and each tensor's spec and strides
     tensors: list = []
     key: list = [func]
-    targs = tuple(_template(a, tensors, key) for a in args)
-    tkwargs = {k: _template(v, tensors, key) for k, v in kwargs.items()} if kwargs else {}
-    if kwargs:
-        key.append(tuple(kwargs))
-    mesh = None
-    for t in tensors:
-        if type(t) is GlobalTensor or isinstance(t, GlobalTensor):
-            if mesh is None:
-                mesh = t._spec.mesh
-            elif t._spec.mesh != mesh:
-                raise ValueError(
-                    f"shoal: {func} got GlobalTensors on different meshes: {mesh} and {t._spec.mesh}. "
-                    f"Move one with x.to_global(mesh, sbp) first."
-                )
-            key.append(t._spec)
-            key.append(t.stride())
+    simple = not kwargs  # no kwargs and no tensor lists: shards are swapped in by position
+    for a in args:
+        ta = type(a)
+        if ta is _GT:
+            tensors.append(a)
+            key.append(a._spec)
+            key.append(a.stride())
+        elif isinstance(a, torch.Tensor):
+            tensors.append(a)
+            key.append(_plain_key(a))
+        elif ta is list or ta is tuple:
+            if a and any(isinstance(e, torch.Tensor) for e in a):
+                simple = False
+                break
+            key.append(tuple(a))
         else:
-            key.append((t.shape, t.dtype, t.stride()))
+            key.append(a)
+    if simple:
+        targs, tkwargs = args, None
+    else:
+        tensors, key = [], [func]
+        targs = tuple(_template(a, tensors, key) for a in args)
+        tkwargs = {k: _template(v, tensors, key) for k, v in kwargs.items()} if kwargs else {}
+        key.append(tuple(kwargs))
+        for t in tensors:
+            if isinstance(t, _GT):
+                key.append(t._spec)
+                key.append(t.stride())
+            else:
+                key.append(_plain_key(t))
     try:
         dec = _CACHE.get(tuple(key)) if _FORCED is None else None
     except TypeError:  # an unhashable static argument: decide without caching
         key = None
         dec = None
     if dec is None:
-        dec = _decide(func, targs, tkwargs, tensors, mesh)
-        if _FORCED is not None:
-            key = None
-        if key is not None:
+        if simple:  # decisions work on templates
+            targs, tkwargs = _retemplate(args)
+        dec = _decide(func, targs, tkwargs, tensors, _mesh_of(func, tensors))
+        _DECISIONS.append(dec)
+        if key is not None and _FORCED is None:
             _CACHE[tuple(key)] = dec
+    dec.calls[1] += 1
     kind = dec.kind
-    getattr(_COVERAGE, _COUNTER_OF[kind])[func] += 1
     if kind == "rule":
+        if simple:
+            return _execute(func, dec, args, None, tensors)
         return _execute(func, dec, targs, tkwargs, tensors)
+    if simple:
+        targs, tkwargs = _retemplate(args)
     if kind == "decompose":
         rule = lookup(func)
         fn = rule.decomposition if rule is not None and rule.decomposition is not None else decomposition_table[func]
@@ -202,6 +224,35 @@ def dispatch(func, args: tuple, kwargs: dict):
     if kind == "fallback" and func not in _FALLBACK_WARNED:
         _warn_fallback(func, tensors)
     return _execute(func, dec, targs, tkwargs, tensors)
+
+
+def _wrapper_device() -> torch.device:
+    from .tensor import _wrapper_device as wd
+
+    return wd()
+
+
+def _retemplate(args: tuple) -> tuple[tuple, dict]:
+    found: list = []
+    return tuple(_template(a, found, []) for a in args), {}
+
+
+def _plain_key(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.stride(), t.device)
+
+
+def _mesh_of(func, tensors) -> Mesh:
+    mesh = None
+    for t in tensors:
+        if isinstance(t, _GT):
+            if mesh is None:
+                mesh = t._spec.mesh
+            elif t._spec.mesh != mesh:
+                raise ValueError(
+                    f"shoal: {func} got GlobalTensors on different meshes: {mesh} and {t._spec.mesh}. "
+                    f"Move one with x.to_global(mesh, sbp) first."
+                )
+    return mesh
 
 
 def _warn_fallback(func, tensors) -> None:
@@ -294,14 +345,14 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
     decomposable = func in decomposition_table and func not in _DECOMPOSING
     if prep.call is None:
         if rule is not None and rule.kind == "value":
-            return _other_decision(mesh, in_specs0, prep.mutated, "value")
+            return _other_decision(func, mesh, in_specs0, prep.mutated, "value")
         if decomposable:
-            return _other_decision(mesh, in_specs0, prep.mutated, "decompose")
-        return _other_decision(mesh, in_specs0, prep.mutated, "fallback")
+            return _other_decision(func, mesh, in_specs0, prep.mutated, "decompose")
+        return _other_decision(func, mesh, in_specs0, prep.mutated, "fallback")
     can_decompose = rule.decomposition is not None or decomposable
     wants = rule.decompose is not None and can_decompose and func not in _DECOMPOSING and _FORCED is None
     if wants and rule.decompose(prep.call, tuple(in_specs0)):
-        return _other_decision(mesh, in_specs0, prep.mutated, "decompose")
+        return _other_decision(func, mesh, in_specs0, prep.mutated, "decompose")
     best = None
     for ins, outs in _signatures(prep, mesh):
         if _FORCED is not None:
@@ -319,7 +370,7 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
         raise AssertionError(f"{func}: the forced signature {_FORCED} is not among the rule's signatures")
     _, ins, outs = best
     call, rule = prep.call, prep.rule
-    in_specs = tuple(s.with_sbp(sbp) for s, sbp in zip(in_specs0, ins))
+    in_specs = tuple(s if s.sbp == sbp else s.with_sbp(sbp) for s, sbp in zip(in_specs0, ins))
     out_specs = tuple(TensorSpec(tuple(o.shape), o.dtype, mesh, sbp) for o, sbp in zip(call.outs, outs))
     return _Decision(
         mesh=mesh,
@@ -334,7 +385,21 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
         local_ctx=rule.local_ctx,
         kind=rule.kind,
         run_once=_all_b(out_specs) and _all_b(in_specs) and rule.kind == "rule",
+        tensor_args=_tensor_args(targs),
+        calls=_new_calls(func),
+        positions=mesh.local_positions,
+        single_out=type(prep.out_template) is _Slot and prep.returns_input[0] is None,
+        device=_wrapper_device(),
+        replicated=False,
     )
+
+
+def _new_calls(func) -> list:
+    return [func, 0]
+
+
+def _tensor_args(targs) -> tuple[int, ...]:
+    return tuple(i for i, a in enumerate(targs) if type(a) is _Slot)
 
 
 def _all_b(specs) -> bool:
@@ -379,7 +444,7 @@ def _returned_inputs(out_meta, ret_alias, n: int) -> list[int | None]:
     return out
 
 
-def _other_decision(mesh, in_specs0, mutated, kind: str) -> _Decision:
+def _other_decision(func, mesh, in_specs0, mutated, kind: str) -> _Decision:
     """Replicated runs (inputs made Broadcast) and decompositions (the op re-dispatched in parts)."""
     rep = (_B,) * mesh.ndim
     return _Decision(
@@ -395,6 +460,12 @@ def _other_decision(mesh, in_specs0, mutated, kind: str) -> _Decision:
         local_ctx=False,
         kind=kind,
         run_once=True,
+        tensor_args=(),
+        calls=_new_calls(func),
+        positions=mesh.local_positions,
+        single_out=False,
+        device=_wrapper_device(),
+        replicated=kind in ("value", "fallback"),
     )
 
 
@@ -402,52 +473,61 @@ def _other_decision(mesh, in_specs0, mutated, kind: str) -> _Decision:
 
 
 def _execute(func, dec: _Decision, targs, tkwargs, tensors):
-    from .tensor import GlobalTensor
-
+    """Box the inputs, run on every local shard, wrap the outputs. ``tkwargs`` None: ``targs`` are
+    the call's own args and tensors are swapped in at ``dec.tensor_args``."""
     mesh = dec.mesh
-    positions = mesh.local_positions
+    positions = dec.positions
     shards_in = []
     for t, spec in zip(tensors, dec.in_specs):
-        if isinstance(t, GlobalTensor):
+        if type(t) is _GT or isinstance(t, _GT):
             src = t._spec
-            shards_in.append(t._shards if src.sbp == spec.sbp else t._shards_as(spec))
+            shards_in.append(t._shards if src is spec or src.sbp == spec.sbp else t._shards_as(spec))
         else:
             shards = _plain_shards(t, mesh)
             rep = spec.with_sbp((_B,) * mesh.ndim)
             shards_in.append(shards if spec == rep else boxing.box(shards, rep, spec))
     once = dec.run_once and all(_same_everywhere(s, positions) for s in shards_in)
-    fn = dec.local or func
+    fn = dec.local or func._op  # the C++ op itself: skips OpOverload.__call__
     results: list = [None] * mesh.size
     run_at = positions[:1] if once else positions
     same_as: dict = {}
-    if not once and dec.mutated:
+    if dec.mutated and not once:
         run_at, same_as = _plan_writes(dec.mutated, shards_in, positions)
+    simple = tkwargs is None
     for p in run_at:
-        vals = [s[p] for s in shards_in]
-        a = _fill_args(targs, vals)
+        if simple:
+            a = list(targs)
+            for i, j in enumerate(dec.tensor_args):
+                a[j] = shards_in[i][p]
+            kw = {}
+        else:
+            vals = [s[p] for s in shards_in]
+            a = [_fill(x, vals) for x in targs]
+            kw = {k: _fill(v, vals) for k, v in tkwargs.items()} if tkwargs else {}
         if dec.size_arg is not None:
-            a = list(a)
             a[dec.size_arg] = list(dec.out_specs[0].local_shape(p))
-        kw = {k: _fill(v, vals) for k, v in tkwargs.items()} if tkwargs else {}
         if dec.local_ctx:
             results[p] = fn(Shard(p, dec.in_specs, dec.out_specs), *a, **kw)
         else:
             results[p] = fn(*a, **kw)
     if once:
+        r0 = results[positions[0]]
         for p in positions[1:]:
-            results[p] = results[positions[0]]
+            results[p] = r0
     for q, p in same_as.items():
         results[q] = results[p]
     # mutated inputs take the layout they were computed in
     for i in dec.mutated:
         t = tensors[i]
-        if isinstance(t, GlobalTensor):
+        if isinstance(t, _GT):
             t._resolved = None
             if t._shards is not shards_in[i] or t._spec != dec.in_specs[i]:
                 t._spec = dec.in_specs[i]
                 t._shards = shards_in[i]
     if dec.replicated:
         return _wrap_replicated(results, positions, mesh, tensors, dec)
+    if dec.single_out:  # one tensor out, not an input written in place
+        return _GT._make(dec.out_specs[0], tuple(results), dec.out_strides[0], device=dec.device)
     first = results[positions[0]]
     outs_local = []
     _collect(first, outs_local)
@@ -460,10 +540,10 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
     wrapped = []
     for k, spec in enumerate(dec.out_specs):
         alias = dec.returns_input[k]
-        if alias is not None and isinstance(tensors[alias], GlobalTensor):
+        if alias is not None and isinstance(tensors[alias], _GT):
             wrapped.append(tensors[alias])
         else:
-            wrapped.append(GlobalTensor._make(spec, tuple(per_out[k]), dec.out_strides[k]))
+            wrapped.append(_GT._make(spec, tuple(per_out[k]), dec.out_strides[k]))
     return _fill(dec.out_template, wrapped)
 
 

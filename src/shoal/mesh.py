@@ -57,6 +57,10 @@ class Mesh:
         object.__setattr__(self, "axes", axes)
 
     def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
         return hash((self.devices, self.shape, self.axes))
 
     def __repr__(self) -> str:

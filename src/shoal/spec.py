@@ -7,7 +7,7 @@ apply outer to inner, so an inner axis splits the chunk the outer axes left.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -25,12 +25,33 @@ def chunk_bounds(size: int, n: int, i: int) -> tuple[int, int]:
     return start, start + q + (1 if i < r else 0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     mesh: Mesh
     sbp: NdSBP
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # specs key every dispatch cache lookup: hash once
+        object.__setattr__(self, "_hash", hash((self.shape, self.dtype, self.mesh, self.sbp)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if type(other) is not TensorSpec:
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+            and self.sbp == other.sbp
+            and self.mesh == other.mesh
+        )
 
     def __repr__(self) -> str:
         return f"TensorSpec({list(self.shape)}, {self.dtype}, mesh={self.mesh.shape}, sbp={sbp_str(self.sbp)})"

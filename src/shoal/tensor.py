@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import boxing
+from . import dispatch as _dispatch
 from .dispatch import dispatch
 from .mesh import Mesh
 from .sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
@@ -27,13 +28,13 @@ class GlobalTensor(torch.Tensor):
     _shards: tuple  # one per mesh position; None where another process owns the device
 
     @staticmethod
-    def _make(spec: TensorSpec, shards: tuple, stride=None, requires_grad: bool = False) -> GlobalTensor:
+    def _make(spec: TensorSpec, shards: tuple, stride=None, requires_grad: bool = False, device=None) -> GlobalTensor:
         r = torch.Tensor._make_wrapper_subclass(
             GlobalTensor,
             spec.shape,
             strides=stride,
             dtype=spec.dtype,
-            device=_wrapper_device(),
+            device=device or _wrapper_device(),
             requires_grad=requires_grad,
         )
         r._spec = spec
@@ -119,9 +120,16 @@ class GlobalTensor(torch.Tensor):
         return {mesh.devices[p]: self._shards[p] for p in pos}
 
 
+_dispatch._GT = GlobalTensor
+_DEVICE: dict = {}
+
+
 def _wrapper_device() -> torch.device:
     w = world()
-    return w.torch_device(w.local_devices[0])
+    d = _DEVICE.get(w)
+    if d is None:
+        d = _DEVICE[w] = w.torch_device(w.local_devices[0])
+    return d
 
 
 def _has_sum(sbp) -> bool:

@@ -1,0 +1,105 @@
+"""Eager overhead per op: plain torch vs shoal vs PyTorch DTensor, side by side from one run.
+
+Same small ops, same layout (inputs split on dim 0 of a one-device mesh, weights replicated) for
+shoal and DTensor (world of one process, gloo); shoal also on 2 and 4 virtual devices.
+Overhead = time per op minus plain torch's. Medians over repeats; torch.set_num_threads(1).
+Usage: python bench/eager_overhead.py [--iters N] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shoal
+from shoal import B, S
+
+
+def per_op_us(fn, iters: int, repeats: int) -> float:
+    for _ in range(max(10, iters // 10)):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def workloads(x, y, w, b):
+    def linear_fwd_bwd():
+        out = F.linear(x, w, b)
+        out.sum().backward()
+
+    return {
+        "add 64x64": lambda: x + y,
+        "mul 64x64": lambda: x * y,
+        "matmul 64x64": lambda: x @ y,
+        "Linear fwd+bwd": linear_fwd_bwd,
+    }
+
+
+def tensors(to_dist, requires_grad_w=True):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    w, b = torch.randn(64, 64, generator=g), torch.randn(64, generator=g)
+    x, y, w, b = to_dist(x, "split"), to_dist(y, "split"), to_dist(w, "rep"), to_dist(b, "rep")
+    w.requires_grad_(requires_grad_w)
+    b.requires_grad_(requires_grad_w)
+    return x, y, w, b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    dmesh = init_device_mesh("cpu", (1,))
+
+    def to_dtensor(t, kind):
+        return distribute_tensor(t, dmesh, [Shard(0) if kind == "split" else Replicate()])
+
+    shoal.init(devices=4)
+    meshes = {n: shoal.Mesh(list(range(n))) for n in (1, 2, 4)}
+
+    def to_shoal(n):
+        return lambda t, kind: shoal.to_global(t, meshes[n], S(0) if kind == "split" else B)
+
+    columns = {
+        "torch": workloads(*tensors(lambda t, k: t)),
+        "shoal 1 dev": workloads(*tensors(to_shoal(1))),
+        "DTensor 1 dev": workloads(*tensors(to_dtensor)),
+        "shoal 2 dev": workloads(*tensors(to_shoal(2))),
+        "shoal 4 dev": workloads(*tensors(to_shoal(4))),
+    }
+    results = {c: {op: per_op_us(f, args.iters, args.repeats) for op, f in ops.items()} for c, ops in columns.items()}
+    ops = list(results["torch"])
+    print(f"time per op (us, median of {args.repeats} x {args.iters}), torch.set_num_threads(1), torch {torch.__version__}")
+    head = f"| {'op':16s} | " + " | ".join(f"{c:>13s}" for c in columns) + " | shoal/DTensor overhead |"
+    print(head)
+    print("|" + "|".join("-" * (len(p) + 0) for p in head.split("|")[1:-1]) + "|")
+    for op in ops:
+        base = results["torch"][op]
+        cells = [f"{results[c][op]:13.1f}" for c in columns]
+        ratio = (results["shoal 1 dev"][op] - base) / max(results["DTensor 1 dev"][op] - base, 1e-9)
+        print(f"| {op:16s} | " + " | ".join(cells) + f" | {ratio:22.2f} |")
+    print("overhead = time - torch; target: shoal 1 dev overhead <= 1/3 of DTensor's (ratio <= 0.33)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
