@@ -18,6 +18,8 @@ def _flatten(devices) -> tuple[tuple[int, ...], tuple[int, ...]]:
         devices = devices.tolist()
     if isinstance(devices, int):
         return (devices,), ()
+    if not isinstance(devices, (list, tuple)):
+        world().check(devices)  # raises a clear error for a non-int device id
     devices = list(devices)
     if not devices:
         raise ValueError("Mesh: the device list is empty")
@@ -108,7 +110,7 @@ class Mesh:
 
     def groups(self, axis: int) -> tuple[tuple[int, ...], ...]:
         """Position groups along ``axis``: each group varies the axis coordinate, the others fixed."""
-        return _groups(self.shape, axis)
+        return _groups(self.shape, self.axis_index(axis))
 
     def submesh(self, **fixed: int) -> Mesh:
         """The sub-mesh with the named axes fixed at the given coordinates, e.g. ``mesh.submesh(dp=0)``."""

@@ -47,17 +47,20 @@ class GlobalTensor(torch.Tensor):
 
         Summing Partial shards rounds differently along different boxing paths, so the first
         conversion out of Partial(sum) is remembered and later ones start from it: the same tensor
-        never shows two values (``x == x.amax()`` in a backward stays consistent), and is reduced once.
+        never shows two values (``x == x.amax()`` in a backward stays consistent), and is reduced
+        once. It is valid while this tensor is not written: writes through it or any autograd-level
+        alias bump its version; writes inside dispatch reset it. Its shards are never handed out to be
+        written (explicit layout changes copy them).
         """
         src = self._spec
         if src.sbp == dst.sbp and src.mesh == dst.mesh:
             return self._shards
         memo = self._resolved
-        if memo is not None:
+        if memo is not None and memo[2] == self._version:
             return boxing.box(memo[1], memo[0], dst)
         out = boxing.box(self._shards, src, dst)
         if src.mesh == dst.mesh and _has_sum(src.sbp) and not _has_sum(dst.sbp):
-            self._resolved = (dst, out)
+            self._resolved = (dst, out, self._version)
         return out
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -132,12 +135,37 @@ def _wrapper_device() -> torch.device:
     return d
 
 
+def _storages(shards) -> set:
+    return {t.untyped_storage().data_ptr() for t in shards if t is not None}
+
+
+def _unaliased(out: tuple, *sources: tuple) -> tuple:
+    """``out`` with every shard that shares memory with ``sources`` copied: explicit layout changes
+    return tensors of their own, whichever collectives (or none) produced them."""
+    taken = set()
+    for src in sources:
+        taken |= _storages(src)
+    res, seen = [], set()
+    for t in out:
+        if t is not None:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in taken and id(t) not in seen:
+                t = t.clone()
+            seen.add(id(t))
+        res.append(t)
+    return tuple(res)
+
+
 def _has_sum(sbp) -> bool:
     return any(isinstance(s, Partial) and s.op == "sum" for s in sbp)
 
 
 def _box(x: GlobalTensor, dst: TensorSpec) -> GlobalTensor:
-    return GlobalTensor._make(dst, x._shards_as(dst))
+    """x laid out as ``dst``, sharing no memory with x (or x's remembered Partial resolution)."""
+    out = x._shards_as(dst)
+    memo = x._resolved
+    out = _unaliased(out, x._shards, *(() if memo is None else (memo[1],)))
+    return GlobalTensor._make(dst, out)
 
 
 def _grad_spec(spec: TensorSpec) -> TensorSpec:

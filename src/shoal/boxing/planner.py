@@ -21,6 +21,7 @@ _B = Broadcast()
 # slice costs a little so that doing nothing beats slicing for free.
 LAUNCH_BYTES = 4096.0
 SLICE_COST = 1.0
+RELABEL_COST = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +113,8 @@ def _search(mesh_shape: tuple[int, ...], shape: tuple[int, ...], itemsize: int, 
             for d in options:
                 if d == s:
                     continue
-                if n == 1:
-                    step_cost = 0.0
+                if n == 1:  # the same shards under another name: free, but not free-er than nothing
+                    step_cost = RELABEL_COST
                 elif not _allowed(s, d) or not _commutes(state, mesh_shape, axis, s, d):
                     continue
                 else:
