@@ -746,7 +746,7 @@ def test_mutating_a_reduced_result_leaves_the_partial_source_alone(devices, src,
 
 @pytest.mark.parametrize("devices, dst", [(M4, B), (M3, S(0)), (M22, [B, S(1)])], ids=_ids)
 def test_two_conversions_of_a_partial_are_independent(devices, dst):
-    """Regression (was a bug of the Partial memo): converting one Partial(sum) tensor twice to the same layout returns two
+    """Regression (Partial memo): converting one Partial(sum) tensor twice to the same layout returns two
     GlobalTensors over the same memo shards, so writing one changes the other."""
     mesh = Mesh(devices)
     v = _value((4, 6))
@@ -759,7 +759,7 @@ def test_two_conversions_of_a_partial_are_independent(devices, dst):
 
 
 def test_partial_value_follows_writes_through_an_alias():
-    """Regression (was a bug of the Partial memo): once ``x.full()`` has run, a write into ``x``'s shards through an alias
+    """Regression (Partial memo): once ``x.full()`` has run, a write into ``x``'s shards through an alias
     (``x.detach()`` shares its storage, as in torch) changes what x's ops compute but not what
     ``x.full()`` returns, so the same tensor shows two values."""
     mesh = Mesh(M4)
