@@ -221,9 +221,10 @@ def dispatch(func, args: tuple, kwargs: dict):
             _DECOMPOSING.discard(func)
     if kind == "random":
         return _random(func, dec, targs, tkwargs, tensors)
-    if kind == "fallback" and func not in _FALLBACK_WARNED:
+    out = _execute(func, dec, targs, tkwargs, tensors)
+    if kind == "fallback" and func not in _FALLBACK_WARNED:  # after the run: a user error is not news
         _warn_fallback(func, tensors)
-    return _execute(func, dec, targs, tkwargs, tensors)
+    return out
 
 
 def _wrapper_device() -> torch.device:

@@ -141,6 +141,7 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
     aten.squeeze.default: lambda: [S_(r(1, 5, 1, 3))],
     aten.expand.default: lambda: [S_(r(5, 1), [5, 7]), S_(r(3), [4, 3]), S_(r(5, 3), [2, 5, 3]), S_(r(5, 1), [-1, 6])],
     aten.slice.Tensor: lambda: [S_(r(7, 5), 0, 1, 6), S_(r(7, 5), 1, 0, 5, 2), S_(r(7, 5), -1, 2)],
+    aten.flip.default: lambda: [S_(r(7, 5), [0]), S_(r(3, 7, 5), [-1, 0])],
     aten.select.int: lambda: [S_(r(7, 5), 0, 3), S_(r(7, 5), 1, -1)],
     aten.slice_backward.default: lambda: [S_(r(5, 3), [7, 3], 0, 1, 6, 1), S_(r(7, 2), [7, 5], 1, 1, 5, 2)],
     aten.select_backward.default: lambda: [S_(r(5), [5, 7], 1, 2), S_(r(7), [3, 7], 0, 0)],

@@ -208,7 +208,13 @@ def _select_backward(call: Call) -> list[Sig]:
     return _moves(call, lambda d: d + (d >= dim), partial=False) + [Sig((Partial("sum"),), (Partial("sum"),))]
 
 
+def _flip(call: Call) -> list[Sig]:
+    dims = {_norm(d, call.ins[0].ndim) for d in call.arg(1, "dims")}
+    return _moves(call, lambda d: None if d in dims else d)
+
+
 register(aten.slice.Tensor, Rule(_slice, name="slice"))
+register(aten.flip.default, Rule(_flip, name="flip"))
 register(aten.select.int, Rule(_select, name="select"))
 register(aten.slice_backward.default, Rule(_slice_backward, size_arg=1, name="slice_backward"))
 register(aten.select_backward.default, Rule(_select_backward, size_arg=1, name="select_backward"))

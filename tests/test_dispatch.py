@@ -1,0 +1,110 @@
+"""Dispatch: decisions and their cache, the fallback, plain tensors, clear errors, collective counts."""
+
+import warnings
+
+import pytest
+import torch
+
+import shoal
+from shoal import B, P, S
+from shoal import dispatch as D
+from shoal.testing import assert_same_value, make_global
+
+
+def test_decisions_are_cached(meshes):
+    mesh = meshes[(2,)]
+    x, y = shoal.to_global(torch.randn(5, 3), mesh, S(0)), shoal.to_global(torch.randn(5, 3), mesh, S(0))
+    x + y
+    n = len(D._CACHE)
+    for _ in range(3):
+        x + y
+    assert len(D._CACHE) == n
+
+
+def test_fallback_is_correct_warns_once_and_is_listed(meshes):
+    mesh = meshes[(2, 2)]
+    aten = torch.ops.aten
+    assert shoal.ops.lookup(aten.logcumsumexp.default) is None and aten.logcumsumexp.default not in D.decomposition_table
+    v = torch.randn(5, 3)
+    shoal.coverage(reset=True)
+    x = make_global(v, mesh, [S(0), P], requires_grad=True)
+    with pytest.warns(UserWarning, match="no SBP rule for aten.logcumsumexp.default"):
+        y = torch.logcumsumexp(x, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        y2 = torch.logcumsumexp(x * 2, 0)
+    assert_same_value(y, torch.logcumsumexp(v, 0))
+    assert_same_value(y2, torch.logcumsumexp(v * 2, 0))
+    (y * torch.arange(3.0)).sum().backward()
+    vv = v.clone().requires_grad_()
+    (torch.logcumsumexp(vv, 0) * torch.arange(3.0)).sum().backward()
+    assert_same_value(x.grad, vv.grad)
+    cov = shoal.coverage()
+    assert cov.by_fallback[aten.logcumsumexp.default] >= 2  # its backward calls it too
+    assert "logcumsumexp" in repr(cov)
+
+
+def test_decomposed_ops_are_listed(meshes):
+    mesh = meshes[(2,)]
+    aten = torch.ops.aten
+    shoal.coverage(reset=True)
+    x = shoal.to_global(torch.randn(6, 4), mesh, S(0))
+    y = torch.nn.functional.mse_loss(x, x * 0.5)
+    assert_same_value(y, torch.nn.functional.mse_loss(x.full(), x.full() * 0.5))
+    cov = shoal.coverage()
+    assert not cov.by_fallback, cov
+
+
+def test_plain_tensors_meet_global_tensors_as_broadcast(meshes):
+    mesh = meshes[(3,)]
+    v = torch.randn(5, 4)
+    x = make_global(v, mesh, S(1))
+    mask = torch.rand(5, 4) > 0.5
+    assert_same_value(x * mask, v * mask)
+    assert_same_value(torch.arange(4.0) + x, torch.arange(4.0) + v)
+    assert_same_value(x @ torch.ones(4, 2), v @ torch.ones(4, 2))
+
+
+def test_different_meshes_is_a_clear_error(meshes):
+    x = shoal.to_global(torch.randn(4, 4), meshes[(2,)], S(0))
+    y = shoal.to_global(torch.randn(4, 4), meshes[(3,)], S(0))
+    with pytest.raises(ValueError, match=r"aten.add.Tensor got GlobalTensors on different meshes.*to_global"):
+        x + y
+
+
+def test_bad_layouts_are_clear_errors(meshes):
+    mesh = meshes[(2, 2)]
+    with pytest.raises(ValueError, match="one SBP per mesh axis"):
+        shoal.to_global(torch.randn(4, 4), mesh, [S(0)])
+    with pytest.raises(ValueError, match="split dim 2 is out of range"):
+        shoal.to_global(torch.randn(4, 4), mesh, [S(2), B])
+    with pytest.raises(ValueError, match="not in the world"):
+        shoal.Mesh([0, 9])
+    with pytest.raises(TypeError, match="not an SBP"):
+        shoal.to_global(torch.randn(4, 4), mesh, [S(0), "B"])
+
+
+def test_user_errors_surface_as_torch_errors(meshes):
+    """A shape error is the same error torch gives on one device, not a shoal internal one."""
+    x = shoal.to_global(torch.randn(4, 3), meshes[(2,)], S(0))
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        x @ torch.randn(4, 4)
+
+
+def test_data_parallel_linear_communicates_only_for_gradients(meshes):
+    """Batch S(0), weights B: forward and backward need no collective; the weight gradient is Partial
+    and is reduced (one all_reduce per tensor) when the optimizer combines it with the B weight."""
+    mesh = shoal.Mesh([0, 1, 2, 3])
+    lin = torch.nn.Linear(6, 3)
+    lin.weight = torch.nn.Parameter(shoal.to_global(lin.weight.detach(), mesh, B))
+    lin.bias = torch.nn.Parameter(shoal.to_global(lin.bias.detach(), mesh, B))
+    x = shoal.to_global(torch.randn(10, 6), mesh, S(0))
+    with shoal.CommCounter() as cc:
+        loss = lin(x).square().sum()
+        loss.backward()
+    assert cc.total == 0, cc
+    assert lin.weight.grad.sbp == (P,) and lin.bias.grad.sbp == (P,)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with shoal.CommCounter() as cc:
+        opt.step()
+    assert dict(cc.counts) == {"all_reduce": 2}, cc
