@@ -11,7 +11,7 @@ from .mesh import Mesh
 from .parallel import Plan, data_parallel, distribute_module, memory_per_device, shard_optimizer_state
 from .sbp import SBP, B, Broadcast, P, Partial, S, Split
 from .spec import TensorSpec
-from .tensor import GlobalTensor, from_local, to_global
+from .tensor import GlobalTensor, from_local, from_local_batch, to_global
 from .world import World, init, world
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "memory_per_device",
     "shard_optimizer_state",
     "from_local",
+    "from_local_batch",
     "init",
     "to_global",
     "world",

@@ -9,6 +9,7 @@ listed by ``coverage()``.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -158,6 +159,8 @@ def _fill_args(targs: tuple, values) -> tuple:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
+    if DEBUG and world().processes > 1:
+        _check_same_program(func, args, kwargs)
     # the cache key: the op, every static argument, and each tensor's spec and strides
     tensors: list = []
     key: list = [func]
@@ -236,6 +239,39 @@ def _wrapper_device() -> torch.device:
 def _retemplate(args: tuple) -> tuple[tuple, dict]:
     found: list = []
     return tuple(_template(a, found, []) for a in args), {}
+
+
+# SHOAL_DEBUG=1: every op first checks that all processes run the same op on the same layouts, and
+# that plain tensors taken as Broadcast hold the same values everywhere (one collective per op: slow)
+DEBUG = os.environ.get("SHOAL_DEBUG", "0") not in ("", "0")
+_OPS_SEEN = [0]
+
+
+def _check_same_program(func, args, kwargs) -> None:
+    import hashlib
+
+    import torch.distributed as dist
+
+    def describe(a):
+        if isinstance(a, _GT):
+            return ("global", tuple(a.shape), str(a.dtype), sbp_str(a._spec.sbp), a._spec.mesh.devices)
+        if isinstance(a, torch.Tensor):
+            digest = hashlib.sha1(a.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
+            return ("plain", tuple(a.shape), str(a.dtype), digest)
+        if isinstance(a, (list, tuple)):
+            return tuple(describe(e) for e in a)
+        return repr(a)
+
+    _OPS_SEEN[0] += 1
+    mine = (str(func), describe(tuple(args)), describe(tuple(kwargs.items())))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(e != every[0] for e in every):
+        lines = "\n".join(f"  rank {r}: {e}" for r, e in enumerate(every))
+        raise RuntimeError(
+            f"shoal (SHOAL_DEBUG): the processes diverged at op #{_OPS_SEEN[0]}: they must run the same ops on "
+            f"the same layouts, and plain tensors must hold the same values on every process:\n{lines}"
+        )
 
 
 def _plain_key(t: torch.Tensor) -> tuple:
@@ -529,6 +565,12 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
         return _wrap_replicated(results, positions, mesh, tensors, dec)
     if dec.single_out:  # one tensor out, not an input written in place
         return _GT._make(dec.out_specs[0], tuple(results), dec.out_strides[0], device=dec.device)
+    if not positions:  # another process's devices: the outputs are known from the decision alone
+        return _fill(dec.out_template, [
+            tensors[dec.returns_input[k]] if dec.returns_input[k] is not None
+            else _GT._make(spec, (None,) * mesh.size, dec.out_strides[k], device=dec.device)
+            for k, spec in enumerate(dec.out_specs)
+        ])
     first = results[positions[0]]
     outs_local = []
     _collect(first, outs_local)
@@ -554,7 +596,8 @@ def _random(func, dec: _Decision, targs, tkwargs, tensors):
     from .tensor import GlobalTensor, _scatter_full
 
     mesh = dec.mesh
-    dev = world().torch_device(mesh.devices[mesh.local_positions[0]])
+    w = world()
+    dev = w.torch_device(w.local_devices[0])
     full_in = [torch.empty(t.shape, dtype=t.dtype, device=dev) if isinstance(t, GlobalTensor) else t for t in tensors]
     out = func(*_fill_args(targs, full_in), **{k: _fill(v, full_in) for k, v in tkwargs.items()})
     for i in dec.mutated:
@@ -581,6 +624,8 @@ def _collect(obj, out: list) -> None:
 
 
 def _same_everywhere(shards, positions) -> bool:
+    if not positions:
+        return False
     first = shards[positions[0]]
     return all(shards[p] is first for p in positions)
 
@@ -632,7 +677,11 @@ def _wrap_replicated(results, positions, mesh, tensors, dec):
     """Outputs of a replicated run: tensors become Broadcast GlobalTensors."""
     from .tensor import GlobalTensor
 
-    first = results[positions[0]]
+    first = results[positions[0]] if positions else None
+    w = world()
+    if w.processes > 1 and not _covers_all_processes(mesh):
+        # processes without a device here learn the result (a value, or tensor shapes) from its owner
+        first = _from_owner(first, w.process_of(mesh.devices[0]))
     rep = (_B,) * mesh.ndim
 
     def wrap(obj, path):
@@ -651,6 +700,27 @@ def _wrap_replicated(results, positions, mesh, tensors, dec):
         return obj
 
     return wrap(first, ())
+
+
+def _covers_all_processes(mesh: Mesh) -> bool:
+    w = world()
+    return len({w.process_of(d) for d in mesh.devices}) == w.processes
+
+
+def _from_owner(obj, src: int):
+    """``obj`` as process ``src`` has it, on every process; tensors travel as meta tensors (shapes only)."""
+    import torch.distributed as dist
+
+    def meta(o):
+        if isinstance(o, torch.Tensor):
+            return torch.empty_strided(tuple(o.shape), o.stride(), dtype=o.dtype, device="meta")
+        if isinstance(o, (list, tuple)):
+            return type(o)(meta(e) for e in o)
+        return o
+
+    box = [meta(obj) if world().rank == src else None]
+    dist.broadcast_object_list(box, src)
+    return obj if world().rank == src else box[0]
 
 
 def _pick(obj, path):

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import boxing
+from . import boxing, comm
 from . import dispatch as _dispatch
 from .dispatch import dispatch
 from .mesh import Mesh
@@ -20,7 +20,7 @@ from .sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from .spec import TensorSpec
 from .world import world
 
-__all__ = ["GlobalTensor", "to_global", "from_local"]
+__all__ = ["GlobalTensor", "to_global", "from_local", "from_local_batch"]
 
 
 class GlobalTensor(torch.Tensor):
@@ -199,7 +199,15 @@ class _ToFull(torch.autograd.Function):
     def forward(ctx, x: GlobalTensor):
         ctx.spec = x._spec
         rep = x._spec.with_sbp((Broadcast(),) * x.mesh.ndim)
-        return x._shards_as(rep)[x.mesh.local_positions[0]].clone()
+        shards = x._shards_as(rep)
+        mesh = x.mesh
+        w = world()
+        if w.processes == 1:
+            return shards[mesh.local_positions[0]].clone()
+        # every process gets the value, those outside the mesh too: one broadcast from its first device
+        src = w.process_of(mesh.devices[0])
+        mine = shards[0].clone() if w.rank == src else None
+        return comm.broadcast_all(mine, src, x.shape, x.dtype, w.torch_device(w.local_devices[0]))
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -262,11 +270,13 @@ def from_local(
     mesh: Mesh,
     sbp: SBP | Sequence[SBP],
     shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> GlobalTensor:
     """A GlobalTensor from the shards of this process's devices ({device id: tensor}); no copies.
 
     ``shape`` is the global shape; without it, it is inferred from the shards (all devices must be
-    local then). Shard shapes must match the balanced layout of that shape.
+    local then). Shard shapes must match the balanced layout of that shape. A process that owns no
+    device of the mesh passes no shards, and ``shape`` and ``dtype``.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"from_local: mesh must be a shoal.Mesh, got {type(mesh).__name__}")
@@ -280,13 +290,15 @@ def from_local(
     missing = [mesh.devices[p] for p in mesh.local_positions if mesh.devices[p] not in shards]
     if missing:
         raise ValueError(f"from_local: no shard given for local device(s) {missing} of {mesh}")
-    some = next(iter(shards.values()))
-    nd = normalize_sbp(sbp, mesh.ndim, some.ndim, "from_local")
+    some = next(iter(shards.values()), None)
+    if some is None and (shape is None or dtype is None):
+        raise ValueError(f"from_local: this process owns no device of {mesh}; pass shape= and dtype=")
+    nd = normalize_sbp(sbp, mesh.ndim, len(shape) if some is None else some.ndim, "from_local")
     if shape is None:
         if not mesh.is_fully_local:
             raise ValueError("from_local: pass shape= when some devices of the mesh belong to other processes")
         shape = _infer_shape(shards, mesh, nd)
-    spec = TensorSpec(tuple(shape), some.dtype, mesh, nd)
+    spec = TensorSpec(tuple(shape), some.dtype if dtype is None else dtype, mesh, nd)
     out = [None] * mesh.size
     for p in mesh.local_positions:
         t = shards[mesh.devices[p]]
@@ -313,3 +325,57 @@ def _infer_shape(shards: Mapping[int, torch.Tensor], mesh: Mesh, sbp) -> tuple[i
                 total += shards[dev].shape[d]
         shape[d] = total
     return tuple(shape)
+
+
+def from_local_batch(
+    t: torch.Tensor,
+    mesh: Mesh,
+    sbp: SBP | Sequence[SBP] | None = None,
+    *,
+    dim: int = 0,
+    global_size: int | None = None,
+) -> GlobalTensor:
+    """One GlobalTensor from the part of a batch each process loaded (the data-loader helper).
+
+    Every process passes the rows (along ``dim``) that its devices of ``mesh`` hold under ``sbp``
+    (default: ``S(dim)`` on every axis of a 1-D mesh), i.e. a contiguous range of the global batch,
+    complete in the other dims. ``global_size`` is the global length of ``dim``; on a 1-D mesh it is
+    the sum of what the processes pass (found with one collective). Raises if a process's rows do
+    not match the balanced layout of the global batch.
+    """
+    w = world()
+    dim = dim % t.ndim
+    if sbp is None:
+        if mesh.ndim != 1:
+            raise ValueError("from_local_batch: give sbp for a mesh with more than one axis")
+        sbp = Split(dim)
+    nd = normalize_sbp(sbp, mesh.ndim, t.ndim, "from_local_batch")
+    if global_size is None:
+        if mesh.ndim != 1:
+            raise ValueError("from_local_batch: give global_size for a mesh with more than one axis")
+        sizes = [t.shape[dim]]
+        if w.processes > 1:
+            import torch.distributed as dist
+
+            sizes = [None] * w.processes
+            dist.all_gather_object(sizes, t.shape[dim] if mesh.local_positions else 0)
+        global_size = sum(sizes)
+    shape = list(t.shape)
+    shape[dim] = global_size
+    spec = TensorSpec(tuple(shape), t.dtype, mesh, nd)
+    pos = mesh.local_positions
+    shards: dict[int, torch.Tensor] = {}
+    if pos:
+        base = min(spec.local_offset(p)[dim] for p in pos)
+        end = max(spec.local_offset(p)[dim] + spec.local_shape(p)[dim] for p in pos)
+        if end - base != t.shape[dim]:
+            raise ValueError(
+                f"from_local_batch: this process (rank {w.rank}) passed {t.shape[dim]} rows along dim {dim}, but "
+                f"its devices hold rows {base}..{end - 1} of the global {global_size} under {sbp_str(nd)}; "
+                f"give each process the rows of its devices (equal sizes work when they divide evenly)"
+            )
+        for p in pos:
+            region = list(spec.local_region(p))
+            region[dim] = slice(region[dim].start - base, region[dim].stop - base)
+            shards[mesh.devices[p]] = t[tuple(region)].to(w.torch_device(mesh.devices[p]))
+    return from_local(shards, mesh, nd, shape=tuple(shape), dtype=t.dtype)

@@ -61,7 +61,7 @@ def make_global(
             rec(piece, axis + 1, pos * n + i)
 
     rec(t.detach(), 0, 0)
-    g = from_local(shards, mesh, nd, shape=tuple(t.shape))
+    g = from_local(shards, mesh, nd, shape=tuple(t.shape), dtype=t.dtype)
     return g.requires_grad_(requires_grad) if requires_grad else g
 
 

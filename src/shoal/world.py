@@ -20,6 +20,7 @@ class World:
     devices_per_process: int
     rank: int
     device_type: str  # "cpu" or "cuda"
+    local_rank: int = 0  # this process's index on its host (picks its GPUs)
 
     @property
     def size(self) -> int:
@@ -41,7 +42,8 @@ class World:
         """The torch device that holds global device ``device``'s shards (owned devices only)."""
         if self.device_type == "cpu":
             return torch.device("cpu")
-        return torch.device(self.device_type, device % self.devices_per_process)
+        k = self.devices_per_process
+        return torch.device(self.device_type, self.local_rank * k + device % k)
 
     def check(self, device: int) -> None:
         if not isinstance(device, int) or not 0 <= device < self.size:
@@ -55,26 +57,65 @@ class World:
 _WORLD: World | None = None
 
 
-def init(devices: int | None = None, device_type: str | None = None) -> World:
-    """Set up the world: ``devices`` virtual devices in this process (default ``$SHOAL_DEVICES`` or 1).
+def init(devices: int | None = None, device_type: str | None = None, timeout: float | None = None) -> World:
+    """Set up the world.
 
-    Calling it again with other arguments replaces the world (single-process only).
+    One process (default): ``devices`` virtual devices (default ``$SHOAL_DEVICES`` or 1). Under
+    torchrun / ``shoal run`` (``RANK``, ``WORLD_SIZE`` set): one process per rank, each owning
+    ``$SHOAL_DEVICES_PER_PROCESS`` devices (or ``devices`` // processes), over torch.distributed
+    (gloo on CPU, NCCL on CUDA) with a ``timeout`` in seconds (default ``$SHOAL_TIMEOUT`` or 60)
+    after which a collective whose peer died fails instead of hanging.
     """
     global _WORLD
-    if devices is None:
-        devices = int(os.environ.get("SHOAL_DEVICES", "1"))
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"shoal.init: devices must be a positive int, got {devices!r}")
     if device_type is None:
         device_type = os.environ.get("SHOAL_DEVICE_TYPE", "cpu")
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"shoal.init: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if "RANK" in os.environ and processes > 1:
+        _WORLD = _init_distributed(devices, device_type, processes, timeout)
+        return _WORLD
+    if devices is None:
+        devices = int(os.environ.get("SHOAL_DEVICES", "1"))
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"shoal.init: devices must be a positive int, got {devices!r}")
     if device_type == "cuda" and devices > torch.cuda.device_count():
         raise ValueError(
             f"shoal.init: asked for {devices} cuda devices but this process sees {torch.cuda.device_count()}"
         )
     _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type=device_type)
     return _WORLD
+
+
+def _init_distributed(devices, device_type: str, processes: int, timeout) -> World:
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    k = int(os.environ.get("SHOAL_DEVICES_PER_PROCESS", "0")) or None
+    if devices is not None:
+        if devices % processes:
+            raise ValueError(f"shoal.init: {devices} devices do not divide over {processes} processes")
+        if k is not None and k * processes != devices:
+            raise ValueError(f"shoal.init: devices={devices} but {processes} processes x SHOAL_DEVICES_PER_PROCESS={k}")
+        k = devices // processes
+    k = k or 1
+    if device_type == "cuda":
+        if (local_rank + 1) * k > torch.cuda.device_count():
+            raise ValueError(
+                f"shoal.init: local rank {local_rank} needs cuda devices {local_rank * k}..{(local_rank + 1) * k - 1} "
+                f"but this host has {torch.cuda.device_count()}"
+            )
+        torch.cuda.set_device(local_rank * k)
+    if not dist.is_initialized():
+        secs = float(timeout if timeout is not None else os.environ.get("SHOAL_TIMEOUT", "60"))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=secs))
+    from .comm.dist import install_failure_report
+
+    install_failure_report(rank)
+    return World(processes=processes, devices_per_process=k, rank=rank, device_type=device_type, local_rank=local_rank)
 
 
 def world() -> World:

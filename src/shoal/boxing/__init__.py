@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..sbp import Broadcast, NdSBP, Partial, Split
+from ..sbp import Broadcast, NdSBP, Partial
 from ..spec import TensorSpec, _itemsize, chunk_bounds
 from .planner import Step, plan, plan_cost
 
@@ -31,29 +31,34 @@ def box(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
             return shards
         steps = plan(src.mesh.shape, src.shape, _itemsize(src.dtype), src.sbp, dst.sbp)
         out = list(shards)
+        state = src
         for st in steps:
-            _run_step(out, src, st)
+            _run_step(out, state, st)
+            state = state.with_sbp(state.sbp[: st.axis] + (st.dst,) + state.sbp[st.axis + 1 :])
         return tuple(out)
     return _cross_mesh(shards, src, dst)
 
 
 def _run_step(shards: list, spec: TensorSpec, st: Step) -> None:
+    """One 1-D step on every device group along ``st.axis``; ``spec`` is the layout before it."""
     mesh = spec.mesh
     n = mesh.shape[st.axis]
     kind = st.kind
     if n == 1 or kind == "relabel":
         return
+    local = mesh.is_fully_local
     for group in mesh.groups(st.axis):
         devs = [mesh.devices[p] for p in group]
         xs = [shards[p] for p in group]
+        shapes = None if local else [spec.local_shape(p) for p in group]
         if kind == "all_gather":
-            ys = comm.all_gather(devs, xs, st.src.dim)
+            ys = comm.all_gather(devs, xs, st.src.dim, shapes)
         elif kind == "all_reduce":
             ys = comm.all_reduce(devs, xs, st.src.op)
         elif kind == "reduce_scatter":
             ys = comm.reduce_scatter(devs, xs, st.dst.dim, st.src.op)
         elif kind == "all_to_all":
-            ys = comm.all_to_all(devs, xs, st.src.dim, st.dst.dim)
+            ys = comm.all_to_all(devs, xs, st.src.dim, st.dst.dim, shapes)
         elif kind == "slice":
             ys = [
                 None if x is None else x.narrow(st.dst.dim, *_start_len(x.shape[st.dst.dim], n, i))
@@ -91,7 +96,9 @@ def _cross_mesh(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
     """Move between meshes: position-wise sends when the mesh shapes match, else via replicas."""
     if src.mesh.shape == dst.mesh.shape:
         mid = box(shards, src, src.with_sbp(dst.sbp))
-        return tuple(_send(src.mesh.devices[p], d, mid[p]) for p, d in enumerate(dst.mesh.devices))
+        return tuple(
+            _send(src.mesh.devices[p], d, mid[p], dst.local_shape(p), dst.dtype) for p, d in enumerate(dst.mesh.devices)
+        )
     if any(isinstance(s, Partial) for s in dst.sbp):
         # build B on the destination first, then keep one copy there
         rep = _cross_mesh(shards, src, dst.with_sbp((Broadcast(),) * dst.mesh.ndim))
@@ -102,15 +109,11 @@ def _cross_mesh(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
         sp = p % src.mesh.size
         region = dst.local_region(p)
         piece = None if full[sp] is None else full[sp][region]
-        out.append(_send(src.mesh.devices[sp], d, piece))
+        out.append(_send(src.mesh.devices[sp], d, piece, dst.local_shape(p), dst.dtype))
     return tuple(out)
 
 
-def _send(src_dev: int, dst_dev: int, t):
+def _send(src_dev: int, dst_dev: int, t, shape, dtype):
     if src_dev == dst_dev:
         return t
-    return comm.transfer(src_dev, dst_dev, t)
-
-
-def is_trivial(sbp: NdSBP) -> bool:
-    return all(isinstance(s, (Broadcast, Split)) for s in sbp)
+    return comm.transfer(src_dev, dst_dev, t, shape, dtype)

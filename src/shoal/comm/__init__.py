@@ -1,9 +1,11 @@
-"""Collectives over a group of devices.
+"""Collectives over a group of devices, hierarchical.
 
 Each function takes the group's global device ids and one local tensor per device of the group
-(``None`` for devices another process owns) and returns the group's new local tensors. The part
-inside a process is plain tensor ops between shards; results that are equal on every device are
-one shared tensor (no copies on CPU). Crossing processes is the multi-process backend's job.
+(``None`` for devices another process owns) and returns the group's new local tensors (``None``
+stays ``None``). The part inside a process is plain tensor ops between shards; results equal on
+every device are one shared tensor (no copies on CPU). The part across processes is one
+torch.distributed call on the cached process group of the ranks involved (``comm.dist``).
+Functions that must know the shapes of other processes' shards take ``shapes`` (one per device).
 """
 
 from __future__ import annotations
@@ -13,30 +15,26 @@ from collections.abc import Sequence
 import torch
 
 from ..world import world
+from . import dist as _dist
 from .counter import CommCounter, record
 
-__all__ = ["CommCounter", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "transfer"]
+__all__ = ["CommCounter", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "transfer", "broadcast_all"]
 
 Shards = Sequence[torch.Tensor | None]
 
 
-def _local(devices: Sequence[int], shards: Shards, what: str) -> list[torch.Tensor]:
-    if any(s is None for s in shards):
-        raise NotImplementedError(
-            f"{what} over devices {list(devices)} crosses processes; the multi-process backend is not built yet"
-        )
-    return list(shards)  # type: ignore[arg-type]
-
-
-def _place(t: torch.Tensor, devices: Sequence[int]) -> list[torch.Tensor]:
-    """One result shared by every device of the group (copied per device only off-CPU)."""
+def _place(t: torch.Tensor, devices: Sequence[int], shards: Shards | None = None) -> list:
+    """One result for every local device of the group (shared on CPU, copied per GPU); None elsewhere."""
     w = world()
-    if w.device_type == "cpu":
-        return [t] * len(devices)
     out = []
-    for d in devices:
-        td = w.torch_device(d)
-        out.append(t if t.device == td else t.to(td, non_blocking=True))
+    for i, d in enumerate(devices):
+        if shards is not None and shards[i] is None:
+            out.append(None)
+        elif w.device_type == "cpu":
+            out.append(t)
+        else:
+            td = w.torch_device(d)
+            out.append(t if t.device == td else t.to(td, non_blocking=True))
     return out
 
 
@@ -49,11 +47,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_gather(devices: Sequence[int], shards: Shards, dim: int) -> list[torch.Tensor]:
-    xs = _home(_local(devices, shards, "all_gather"))
-    full = torch.cat(xs, dim)
-    record("all_gather", _nbytes(full))
-    return _place(full, devices)
+def _ranks(devices: Sequence[int]) -> list[int]:
+    w = world()
+    return sorted({w.process_of(d) for d in devices})
+
+
+def _all_local(shards: Shards) -> bool:
+    return all(s is not None for s in shards)
 
 
 _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -64,45 +64,96 @@ def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     acc = xs[0]
     for x in xs[1:]:
         acc = f(acc, x)
-    return acc if len(xs) > 1 else acc.clone()
+    return acc
 
 
-def all_reduce(devices: Sequence[int], shards: Shards, op: str = "sum") -> list[torch.Tensor]:
-    xs = _home(_local(devices, shards, "all_reduce"))
-    total = _reduce(xs, op)
+def all_reduce(devices: Sequence[int], shards: Shards, op: str = "sum") -> list:
+    local = [s for s in shards if s is not None]
+    if not local:
+        return list(shards)
+    total = _reduce(_home(local), op)
+    if not _all_local(shards):
+        if total is local[0]:
+            total = total.clone()  # the collective writes in place
+        _dist.all_reduce(total, op, _ranks(devices))
     record("all_reduce", _nbytes(total))
-    return _place(total, devices)
+    return _place(total, devices, shards)
 
 
-def _scatter(full: torch.Tensor, devices: Sequence[int], dim: int) -> list[torch.Tensor]:
+def _gather_full(devices: Sequence[int], shards: Shards, dim: int, shapes) -> torch.Tensor:
+    """The concatenation of the group's shards along ``dim``, on every process of the group."""
+    local = [s for s in shards if s is not None]
+    if _all_local(shards):
+        return torch.cat(_home(local), dim)
+    sizes = [s[dim] for s in shapes]
+    shape = list(shapes[0])
+    shape[dim] = sum(sizes)
+    return _dist.gather_along(_home(local)[0].new_zeros(shape), shards, sizes, dim, _ranks(devices))
+
+
+def all_gather(devices: Sequence[int], shards: Shards, dim: int, shapes=None) -> list:
+    if not any(s is not None for s in shards):
+        return list(shards)
+    full = _gather_full(devices, shards, dim, shapes)
+    record("all_gather", _nbytes(full))
+    return _place(full, devices, shards)
+
+
+def _scatter(full: torch.Tensor, devices: Sequence[int], dim: int, shards: Shards) -> list:
     parts = torch.tensor_split(full, len(devices), dim)
     w = world()
-    if w.device_type == "cpu":
-        return list(parts)
-    return [p.to(w.torch_device(d)) for p, d in zip(parts, devices)]
+    out = []
+    for p, d, s in zip(parts, devices, shards):
+        if s is None:
+            out.append(None)
+        else:
+            out.append(p if w.device_type == "cpu" else p.to(w.torch_device(d)))
+    return out
 
 
-def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "sum") -> list[torch.Tensor]:
-    xs = _home(_local(devices, shards, "reduce_scatter"))
-    total = _reduce(xs, op)
+def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "sum") -> list:
+    local = [s for s in shards if s is not None]
+    if not local:
+        return list(shards)
+    total = _reduce(_home(local), op)
+    if not _all_local(shards):
+        if total is local[0]:
+            total = total.clone()
+        _dist.all_reduce(total, op, _ranks(devices))
     record("reduce_scatter", _nbytes(total))
-    return _scatter(total, devices, dim)
+    return _scatter(total, devices, dim, shards)
 
 
-def all_to_all(devices: Sequence[int], shards: Shards, src_dim: int, dst_dim: int) -> list[torch.Tensor]:
-    xs = _home(_local(devices, shards, "all_to_all"))
-    full = torch.cat(xs, src_dim)
+def all_to_all(devices: Sequence[int], shards: Shards, src_dim: int, dst_dim: int, shapes=None) -> list:
+    if not any(s is not None for s in shards):
+        return list(shards)
+    full = _gather_full(devices, shards, src_dim, shapes)
     record("all_to_all", _nbytes(full))
-    return _scatter(full, devices, dst_dim)
+    return _scatter(full, devices, dst_dim, shards)
 
 
-def transfer(src: int, dst: int, t: torch.Tensor | None) -> torch.Tensor:
-    """Point-to-point: the tensor device ``src`` holds, now held by device ``dst``."""
-    if t is None:
-        raise NotImplementedError(
-            f"send from device {src} to {dst} crosses processes; the multi-process backend is not built yet"
-        )
-    record("send_recv", _nbytes(t))
+def transfer(src: int, dst: int, t: torch.Tensor | None, shape=None, dtype=None) -> torch.Tensor | None:
+    """Point-to-point: what device ``src`` holds, now held by device ``dst`` (None where neither is ours)."""
     w = world()
-    td = w.torch_device(dst)
-    return t if t.device == td else t.to(td)
+    if w.owns(src) and w.owns(dst):
+        record("send_recv", _nbytes(t))
+        td = w.torch_device(dst)
+        return t if t.device == td else t.to(td)
+    if w.owns(src):
+        record("send_recv", _nbytes(t))
+        _dist.send(t, w.process_of(dst))
+        return None
+    if w.owns(dst):
+        buf = torch.empty(shape, dtype=dtype, device=w.torch_device(dst))
+        _dist.recv(buf, w.process_of(src))
+        return buf
+    return None
+
+
+def broadcast_all(t: torch.Tensor | None, src_rank: int, shape, dtype, device) -> torch.Tensor:
+    """Every process gets process ``src_rank``'s ``t`` (all processes call it)."""
+    if t is None:
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+    _dist.broadcast(t, src_rank)
+    record("broadcast", _nbytes(t))
+    return t

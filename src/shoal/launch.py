@@ -1,0 +1,56 @@
+"""``shoal run``: launch a script on P processes (torchrun underneath), K devices each.
+
+``shoal run -n 2 --devices-per-process 2 script.py args...`` runs torch.distributed.run with
+``--nproc-per-node 2`` and ``SHOAL_DEVICES_PER_PROCESS=2``; torchrun's multi-node options pass
+through (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--max-restarts``, ``--master-port``).
+When a process fails, torchrun stops the others and names the failed rank ("Root Cause").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+__all__ = ["main", "build_command"]
+
+_PASS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--max-restarts",
+         "--master-addr", "--master-port", "--monitor-interval")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shoal run", description=__doc__.splitlines()[0])
+    p.add_argument("-n", "--nproc-per-node", type=int, required=True, help="processes on this node")
+    p.add_argument("--devices-per-process", type=int, default=1, help="devices each process owns (default 1)")
+    for opt in _PASS:
+        p.add_argument(opt, type=str, default=None)
+    p.add_argument("script", help="the Python script to run, or -m module")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    a = parser().parse_args(argv)
+    if a.nproc_per_node < 1 or a.devices_per_process < 1:
+        raise SystemExit("shoal run: -n and --devices-per-process must be positive")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.nproc_per_node}"]
+    for opt in _PASS:
+        v = getattr(a, opt.lstrip("-").replace("-", "_"))
+        if v is not None:
+            cmd.append(f"{opt}={v}")
+    if a.nnodes is None and a.rdzv_endpoint is None and a.master_port is None:
+        cmd.append("--standalone")
+    cmd += [a.script, *a.args]
+    env = dict(os.environ, SHOAL_DEVICES_PER_PROCESS=str(a.devices_per_process))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return cmd, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    cmd, env = build_command(sys.argv[1:] if argv is None else argv)
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
