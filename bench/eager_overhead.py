@@ -88,7 +88,7 @@ def main() -> None:
     }
     results = {c: {op: per_op_us(f, args.iters, args.repeats) for op, f in ops.items()} for c, ops in columns.items()}
     ops = list(results["torch"])
-    print(f"time per op (us, median of {args.repeats} x {args.iters}), torch.set_num_threads(1), torch {torch.__version__}")
+    print(f"time per op (us, median of {args.repeats} x {args.iters}), torch.set_num_threads(1), {torch.__version__}")
     head = f"| {'op':16s} | " + " | ".join(f"{c:>13s}" for c in columns) + " | shoal/DTensor overhead |"
     print(head)
     print("|" + "|".join("-" * (len(p) + 0) for p in head.split("|")[1:-1]) + "|")

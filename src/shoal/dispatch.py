@@ -138,7 +138,7 @@ def _template(obj, tensors: list, key: list):
             return _Seq(type(obj), [_template(e, tensors, key) for e in obj])
         key.append(tuple(obj))
         return obj
-    key.append(obj)
+    key.append(float if type(obj) is float else obj)
     return obj
 
 
@@ -179,6 +179,8 @@ def dispatch(func, args: tuple, kwargs: dict):
                 simple = False
                 break
             key.append(tuple(a))
+        elif ta is float:
+            key.append(float)  # values change every step (lr, bias corrections): decisions never read them
         else:
             key.append(a)
     if simple:

@@ -50,6 +50,10 @@ class Call:
 
 @dataclass(frozen=True)
 class Rule:
+    """How one op is laid out. Decisions are cached by op, layouts, shapes and static args, with
+    Python floats keyed by type only: nothing here may depend on a float argument's value (local
+    functions receive each call's own arguments)."""
+
     candidates: Callable[[Call], Sequence[Sig]] = lambda call: ()
     # positional arg that holds the output's size (view, expand, new_zeros...): rewritten per shard
     size_arg: int | None = None
