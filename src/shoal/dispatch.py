@@ -218,7 +218,7 @@ def dispatch(func, args: tuple, kwargs: dict):
         targs, tkwargs = _retemplate(args)
     if kind == "decompose":
         rule = lookup(func)
-        fn = rule.decomposition if rule is not None and rule.decomposition is not None else decomposition_table[func]
+        fn = rule.decomposition if rule is not None and rule.decomposition is not None else _decomposition(func)
         _DECOMPOSING.add(func)
         try:
             return fn(*args, **kwargs)
@@ -236,6 +236,15 @@ def _wrapper_device() -> torch.device:
     from .tensor import _wrapper_device as wd
 
     return wd()
+
+
+def _decomposition(func):
+    """torch's decomposition of ``func``: its table entry, or the op's own CompositeImplicitAutograd
+    kernel (such ops reach dispatch from inside decompositions, below autograd)."""
+    fn = decomposition_table.get(func)
+    if fn is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        fn = func.decompose
+    return fn
 
 
 def _retemplate(args: tuple) -> tuple[tuple, dict]:
@@ -381,7 +390,7 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
     in_specs0 = [_spec_of(t, mesh) for t in tensors]
     prep = _prepare(func, targs, tkwargs, tensors, tuple(in_specs0))
     rule = prep.rule
-    decomposable = func in decomposition_table and func not in _DECOMPOSING
+    decomposable = _decomposition(func) is not None and func not in _DECOMPOSING
     if prep.call is None:
         if rule is not None and rule.kind == "value":
             return _other_decision(func, mesh, in_specs0, prep.mutated, "value")
@@ -409,6 +418,7 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
         raise AssertionError(f"{func}: the forced signature {_FORCED} is not among the rule's signatures")
     _, ins, outs = best
     call, rule = prep.call, prep.rule
+    local = rule.local(call, ins, outs) if rule.local is not None else None
     in_specs = tuple(s if s.sbp == sbp else s.with_sbp(sbp) for s, sbp in zip(in_specs0, ins))
     out_specs = tuple(TensorSpec(tuple(o.shape), o.dtype, mesh, sbp) for o, sbp in zip(call.outs, outs))
     return _Decision(
@@ -420,8 +430,8 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
         mutated=prep.mutated,
         returns_input=tuple(prep.returns_input),
         size_arg=rule.size_arg,
-        local=rule.local(call, ins, outs) if rule.local is not None else None,
-        local_ctx=rule.local_ctx,
+        local=local,
+        local_ctx=rule.local_ctx and local is not None,
         kind=rule.kind,
         run_once=_all_b(out_specs) and _all_b(in_specs) and rule.kind == "rule",
         tensor_args=_tensor_args(targs),
@@ -641,27 +651,28 @@ def _region(t) -> tuple:
 def _plan_writes(mutated, shards_in: list, positions) -> tuple[list, dict]:
     """Shards of several devices may be one piece of memory (Broadcast shares it on CPU).
 
-    An op writing such a piece runs once if those devices also read the same inputs; otherwise the
-    piece is copied first so that each device writes its own. Returns (positions to run at,
-    {skipped position: the position whose result it shares}).
+    A position that reads exactly what an earlier one reads shares its result (the write happens
+    once). Otherwise every written piece another position already writes is copied first, so each
+    device writes its own. Returns (positions to run at, {skipped position: the one it shares}).
     """
     run_at, same_as = [], {}
-    seen_write: dict = {}  # region of the written shards -> (position, regions of all inputs)
+    seen_reads: dict = {}
+    written: list[set] = [set() for _ in mutated]
     for p in positions:
-        writes = tuple(_region(shards_in[i][p]) for i in mutated)
         reads = tuple(_region(s[p]) for s in shards_in)
-        prev = seen_write.get(writes)
-        if prev is None:
-            seen_write[writes] = (p, reads)
-            run_at.append(p)
-        elif prev[1] == reads:
-            same_as[p] = prev[0]
-        else:
-            for i in mutated:
+        if reads in seen_reads:
+            same_as[p] = seen_reads[reads]
+            continue
+        seen_reads[reads] = p
+        for k, i in enumerate(mutated):
+            region = _region(shards_in[i][p])
+            if region in written[k]:
                 new = list(shards_in[i])
                 new[p] = new[p].clone()
                 shards_in[i] = tuple(new)
-            run_at.append(p)
+                region = _region(new[p])
+            written[k].add(region)
+        run_at.append(p)
     return run_at, same_as
 
 

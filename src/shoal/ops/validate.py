@@ -230,9 +230,14 @@ def validate_op(op, mesh: Mesh) -> tuple[int, list[str]]:
         if rule is not None and (rule.kind == "value" or rule.decompose is not None):
             # value ops and decompositions take any layout: try them all (sampled), unforced
             per = [layouts(t.ndim, mesh) for t in _tensors(sample.args)]
-            combos = list(itertools.product(*per))
-            if len(combos) > 32:
-                combos = random.Random(si).sample(combos, 32)
+            total = 1
+            for lay in per:
+                total *= len(lay)
+            if total <= 32:
+                combos = list(itertools.product(*per))
+            else:  # draw each input's layout: the product can be huge
+                rng = random.Random(si)
+                combos = list(dict.fromkeys(tuple(rng.choice(lay) for lay in per) for _ in range(32)))
             sigs += [(combo, None) for combo in combos]
         for ins, outs in sigs:
             what = f"{op} sample {si} on mesh {mesh.shape} with {[sbp_str(s) for s in ins]}"

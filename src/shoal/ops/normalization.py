@@ -1,0 +1,433 @@
+"""Normalization: layer norm and batch norm, forward and backward.
+
+Layer norm is local on a split non-normalized dim (weight/bias Broadcast; their gradients Partial);
+a split normalized dim decomposes into mean/rsqrt/mul with rules. Batch norm is local on a channel
+split. In training a batch or spatial split decomposes, so the statistics and the running_mean/var
+updates are over the global batch, as on one device (not per shard, as DDP would have them). Eval
+is pointwise given the running stats: local for any split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sbp import Broadcast, Partial, Split
+from .registry import Call, Rule, Sig, register
+
+aten = torch.ops.aten
+_B, _P = Broadcast(), Partial("sum")
+
+
+def sig_of(values, sbps) -> tuple:
+    """The SBPs of the arguments that hold tensors (optional tensor arguments may be None)."""
+    return tuple(s for v, s in zip(values, sbps) if isinstance(v, torch.Tensor))
+
+
+def _outs(mask, sbps) -> tuple:
+    return tuple(s for m, s in zip(mask, sbps) if m)
+
+
+def _split_dims(spec) -> set[int]:
+    return {s.dim for s in spec.sbp if isinstance(s, Split)}
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _cast(t, dtype):
+    return t if t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
+
+
+# -- layer norm -------------------------------------------------------------------------------
+
+
+def _ln_axis(x, normalized_shape) -> int:
+    return x.ndim - len(normalized_shape)
+
+
+def _layer_norm(call: Call) -> list[Sig]:
+    x, shape, w, b = call.args[0], call.arg(1, "normalized_shape"), call.arg(2, "weight"), call.arg(3, "bias")
+    axis = _ln_axis(x, shape)
+    return [Sig(sig_of((x, w, b), (Split(d), _B, _B)), (Split(d),) * 3) for d in range(axis)]
+
+
+def _layer_norm_split_normalized(call: Call, specs) -> bool:
+    x = call.args[0]
+    axis = _ln_axis(x, call.arg(1, "normalized_shape"))
+    return math.prod(x.shape[axis:]) > 0 and any(d >= axis for d in _split_dims(specs[0]))
+
+
+def _layer_norm_decomposition(x, normalized_shape, weight, bias, eps):
+    """Statistics over a split normalized dim: local sums, Partial, reduced by the ops' own rules."""
+    dims = list(range(_ln_axis(x, normalized_shape), x.ndim))
+    xc = _cast(x, _compute_dtype(x.dtype))
+    mean = aten.mean.dim(xc, dims, True)
+    centered = aten.sub.Tensor(xc, mean)
+    var = aten.mean.dim(aten.mul.Tensor(centered, centered), dims, True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
+    out = aten.mul.Tensor(centered, rstd)
+    if weight is not None:
+        out = aten.mul.Tensor(out, weight)
+    if bias is not None:
+        out = aten.add.Tensor(out, bias)
+    return _cast(out, x.dtype), _cast(mean, x.dtype), _cast(rstd, x.dtype)
+
+
+def _layer_norm_backward(call: Call) -> list[Sig]:
+    g, x, shape, mean, rstd, w, b, mask = call.args[:8]
+    axis = _ln_axis(x, shape)
+    vals = (g, x, mean, rstd, w, b)
+    sigs = [Sig(sig_of(vals, (Split(d),) * 4 + (_B, _B)), _outs(mask, (Split(d), _P, _P))) for d in range(axis)]
+    # linear in grad_out
+    sigs.append(Sig(sig_of(vals, (_P,) + (_B,) * 5), _outs(mask, (_P,) * 3)))
+    return sigs
+
+
+def _layer_norm_backward_local(call: Call, ins, outs):
+    """The CPU kernel reads mean/rstd as dense arrays: a shard of a split dim is a strided view of them."""
+    func = call.func
+
+    def run(g, x, normalized_shape, mean, rstd, *args):
+        return func(g, x, normalized_shape, mean.contiguous(), rstd.contiguous(), *args)
+
+    return run
+
+
+def _layer_norm_backward_split_normalized(call: Call, specs) -> bool:
+    x = call.args[1]
+    axis = _ln_axis(x, call.args[2])
+    return math.prod(x.shape[axis:]) > 0 and any(d >= axis for sp in specs[:2] for d in _split_dims(sp))
+
+
+def _layer_norm_backward_decomposition(g, x, normalized_shape, mean, rstd, weight, bias, mask):
+    axis = _ln_axis(x, normalized_shape)
+    dims, batch_dims = list(range(axis, x.ndim)), list(range(axis))
+    dt = _compute_dtype(x.dtype)
+    g, xc = _cast(g, dt), _cast(x, dt)
+    xhat = aten.mul.Tensor(aten.sub.Tensor(xc, mean), rstd)
+    gi = gw = gb = None
+    if mask[0]:
+        gx = aten.mul.Tensor(g, weight) if weight is not None else g
+        a = aten.mean.dim(gx, dims, True)
+        c = aten.mean.dim(aten.mul.Tensor(gx, xhat), dims, True)
+        inner = aten.sub.Tensor(aten.sub.Tensor(gx, a), aten.mul.Tensor(xhat, c))
+        gi = _cast(aten.mul.Tensor(inner, rstd), x.dtype)
+    if mask[1]:
+        gxh = aten.mul.Tensor(g, xhat)
+        gw = aten.sum.dim_IntList(gxh, batch_dims) if batch_dims else gxh
+        gw = _cast(gw, weight.dtype)
+    if mask[2]:
+        gb = aten.sum.dim_IntList(g, batch_dims) if batch_dims else aten.clone.default(g)
+        gb = _cast(gb, bias.dtype if bias is not None else x.dtype)
+    return gi, gw, gb
+
+
+register(
+    aten.native_layer_norm.default,
+    Rule(
+        _layer_norm,
+        decompose=_layer_norm_split_normalized,
+        decomposition=_layer_norm_decomposition,
+        name="layer_norm",
+    ),
+)
+register(
+    aten.native_layer_norm_backward.default,
+    Rule(
+        _layer_norm_backward,
+        local=_layer_norm_backward_local,
+        decompose=_layer_norm_backward_split_normalized,
+        decomposition=_layer_norm_backward_decomposition,
+        name="layer_norm_backward",
+    ),
+)
+
+
+# -- batch norm -------------------------------------------------------------------------------
+# Arguments are (input, weight, bias, running_mean, running_var, ...); per-channel tensors split as S(0)
+# where the input splits its channel dim 1. Saved statistics are (C,) in training, (0,) in eval on CPU.
+
+
+def _per_channel(t, c: int):
+    """The SBP a per-channel tensor takes under a channel split (an empty (0,) placeholder stays B)."""
+    return Split(0) if t is not None and t.ndim == 1 and t.shape[0] == c and c > 0 else _B
+
+
+def _bn_channel_split(call: Call) -> list[Sig]:
+    """Training (no running stats) with the channel dim split: every statistic is per channel."""
+    x, w, b = call.args[0], call.args[1], call.args[2]
+    if x.shape[1] <= 1:
+        return []
+    return [Sig(sig_of((x, w, b), (Split(1), Split(0), Split(0))), (Split(1), Split(0), Split(0)))]
+
+
+def _bn_local(call: Call, ins, outs):
+    """An empty shard (a chunk of an uneven split) gets empty outputs: the CPU kernel rejects it."""
+    func = call.func
+
+    def run(x, *args, **kwargs):
+        if x.numel() > 0:
+            return func(x, *args, **kwargs)
+        return x.clone(), x.new_zeros((x.shape[1],)), x.new_zeros((x.shape[1],))
+
+    return run
+
+
+def _non_channel_split(spec) -> bool:
+    return any(d != 1 for d in _split_dims(spec))
+
+
+def _bn_shape(x) -> list[int]:
+    return [1, x.shape[1]] + [1] * (x.ndim - 2)
+
+
+def _bn_dims(x) -> list[int]:
+    return [0, *range(2, x.ndim)]
+
+
+def batch_norm_train(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Training batch norm with statistics over the global batch, in ops that have rules: a split batch or
+    spatial dim gives Partial sums, reduced by the ops' own rules; a channel split stays local.
+
+    Running stats are written in place by one copy_ each. The kernel is not used with them: native_batch_norm's
+    schema does not declare the writes, and a kernel writing two tensors at once is double-applied by dispatch
+    when only one of them is shared between devices (``dispatch._plan_writes`` compares them jointly)."""
+    c, dims, shape = x.shape[1], _bn_dims(x), _bn_shape(x)
+    xc = _cast(x, _compute_dtype(x.dtype))
+    mean = aten.mean.dim(xc, dims, True)
+    centered = aten.sub.Tensor(xc, mean)
+    var = aten.mean.dim(aten.mul.Tensor(centered, centered), dims, True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
+    out = aten.mul.Tensor(centered, rstd)
+    if weight is not None:
+        out = aten.mul.Tensor(out, aten.view.default(weight, shape))
+    if bias is not None:
+        out = aten.add.Tensor(out, aten.view.default(bias, shape))
+    save_mean, save_rstd = aten.view.default(mean, [c]), aten.view.default(rstd, [c])
+    if running_mean is not None:
+        new = aten.add.Tensor(aten.mul.Tensor(save_mean, momentum), aten.mul.Tensor(running_mean, 1 - momentum))
+        aten.copy_.default(running_mean, new)
+    if running_var is not None:
+        n = x.numel() // c
+        unbiased = aten.mul.Tensor(aten.view.default(var, [c]), n / (n - 1) if n > 1 else math.inf)
+        new = aten.add.Tensor(aten.mul.Tensor(unbiased, momentum), aten.mul.Tensor(running_var, 1 - momentum))
+        aten.copy_.default(running_var, new)
+    return _cast(out, x.dtype), _cast(save_mean, x.dtype), _cast(save_rstd, x.dtype)
+
+
+def batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
+    """Eval batch norm: pointwise given the running stats, so local for a batch, spatial or channel split.
+    The saved statistics are empty placeholders, as the CPU kernel returns them (its meta kernel says (C,),
+    which is why eval is never run as a kernel under a rule)."""
+    shape = _bn_shape(x)
+    xc = _cast(x, _compute_dtype(x.dtype))
+    scale = aten.rsqrt.default(aten.add.Tensor(running_var, eps))
+    if weight is not None:
+        scale = aten.mul.Tensor(scale, weight)
+    out = aten.mul.Tensor(aten.sub.Tensor(xc, aten.view.default(running_mean, shape)), aten.view.default(scale, shape))
+    if bias is not None:
+        out = aten.add.Tensor(out, aten.view.default(bias, shape))
+    return _cast(out, x.dtype), aten.new_zeros.default(x, [0]), aten.new_zeros.default(x, [0])
+
+
+def _has_stats(call: Call, training_arg: int) -> bool:
+    return training_arg == 5 and (call.args[3] is not None or call.args[4] is not None)
+
+
+def _batch_norm(training_arg: int):
+    """The kernel runs under a rule only in training without running stats; the rest is decomposed."""
+
+    def candidates(call: Call) -> list[Sig]:
+        if not call.arg(training_arg, "training") or _has_stats(call, training_arg):
+            return []
+        return _bn_channel_split(call)
+
+    return candidates
+
+
+def _batch_norm_decompose(training_arg: int):
+    """Eval: always (pointwise ops, local in every split; the CPU kernel's placeholder outputs disagree with its
+    meta kernel's shapes). Training with running stats: always (two in-place writes, see batch_norm_train).
+    Training without: when a batch or spatial dim is split (global statistics)."""
+
+    def pred(call: Call, specs) -> bool:
+        if not call.arg(training_arg, "training"):
+            return True
+        return _has_stats(call, training_arg) or _non_channel_split(specs[0])
+
+    return pred
+
+
+def _batch_norm_decomposition(x, weight, bias, *args):
+    if len(args) == 3:  # _native_batch_norm_legit.no_stats
+        running_mean = running_var = None
+        training, momentum, eps = args
+    else:
+        running_mean, running_var, training, momentum, eps = args
+    if not training:
+        return batch_norm_eval(x, weight, bias, running_mean, running_var, eps)
+    return batch_norm_train(x, weight, bias, running_mean, running_var, momentum, eps)
+
+
+for _op, _training_arg in (
+    (aten.native_batch_norm.default, 5),
+    (aten._native_batch_norm_legit.default, 5),
+    (aten._native_batch_norm_legit.no_stats, 3),
+):
+    register(
+        _op,
+        Rule(
+            _batch_norm(_training_arg),
+            local=_bn_local,
+            decompose=_batch_norm_decompose(_training_arg),
+            decomposition=_batch_norm_decomposition,
+            name="batch_norm",
+        ),
+    )
+
+
+# native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd,
+#                            train, eps, output_mask)
+
+
+def _bn_backward(call: Call) -> list[Sig]:
+    g, x = call.args[0], call.args[1]
+    rest = call.args[2:7]
+    train, mask = call.args[7], call.args[9]
+    c = x.shape[1]
+    vals = (g, x, *rest)
+    sigs = []
+    if c > 1:
+        per = tuple(_per_channel(t, c) for t in rest)
+        sigs.append(Sig(sig_of(vals, (Split(1), Split(1), *per)), _outs(mask, (Split(1), Split(0), Split(0)))))
+    if not train:
+        for d in range(x.ndim):
+            if d != 1:
+                sigs.append(Sig(sig_of(vals, (Split(d), Split(d)) + (_B,) * 5), _outs(mask, (Split(d), _P, _P))))
+    # linear in grad_out
+    sigs.append(Sig(sig_of(vals, (_P,) + (_B,) * 6), _outs(mask, (_P,) * 3)))
+    return sigs
+
+
+def _bn_backward_local(call: Call, ins, outs):
+    func = call.func
+
+    def run(g, x, weight, rm, rv, save_mean, save_invstd, train, eps, mask):
+        if x.numel() > 0:
+            return func(g, x, weight, rm, rv, save_mean, save_invstd, train, eps, mask)
+        n = x.shape[1]
+        return (
+            x.new_zeros(x.shape) if mask[0] else None,
+            x.new_zeros((n,)) if mask[1] else None,
+            x.new_zeros((n,)) if mask[2] else None,
+        )
+
+    return run
+
+
+def _bn_backward_decompose(call: Call, specs) -> bool:
+    return bool(call.args[7]) and (_non_channel_split(specs[0]) or _non_channel_split(specs[1]))
+
+
+def _bn_backward_decomposition(g, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
+    """Training backward with the per-channel sums over the global batch (Partial, reduced by the ops' rules)."""
+    c, dims, shape = x.shape[1], _bn_dims(x), _bn_shape(x)
+    n = x.numel() // c
+    dt = _compute_dtype(x.dtype)
+    g, xc = _cast(g, dt), _cast(x, dt)
+    invstd = aten.view.default(save_invstd, shape)
+    xhat = aten.mul.Tensor(aten.sub.Tensor(xc, aten.view.default(save_mean, shape)), invstd)
+    sum_g = aten.sum.dim_IntList(g, dims)
+    sum_gx = aten.sum.dim_IntList(aten.mul.Tensor(g, xhat), dims)
+    gi = None
+    if mask[0]:
+        mean_g = aten.div.Tensor(aten.view.default(sum_g, shape), n)
+        proj = aten.mul.Tensor(xhat, aten.div.Tensor(aten.view.default(sum_gx, shape), n))
+        scale = aten.mul.Tensor(invstd, aten.view.default(weight, shape)) if weight is not None else invstd
+        gi = _cast(aten.mul.Tensor(aten.sub.Tensor(aten.sub.Tensor(g, mean_g), proj), scale), x.dtype)
+    wdt = weight.dtype if weight is not None else x.dtype
+    return gi, _cast(sum_gx, wdt) if mask[1] else None, _cast(sum_g, wdt) if mask[2] else None
+
+
+register(
+    aten.native_batch_norm_backward.default,
+    Rule(
+        _bn_backward,
+        local=_bn_backward_local,
+        decompose=_bn_backward_decompose,
+        decomposition=_bn_backward_decomposition,
+        name="batch_norm_backward",
+    ),
+)
+
+
+# -- validator samples ------------------------------------------------------------------------
+
+_G = torch.Generator().manual_seed(0)
+
+
+def _r(*shape):
+    return torch.randn(shape, generator=_G)
+
+
+def _var(n):
+    return torch.rand(n, generator=_G) + 0.5
+
+
+def _ln_bwd(shape, normalized, affine=True, bias=True, mask=(True, True, True)):
+    x = _r(*shape)
+    w = _r(*normalized) if affine else None
+    b = _r(*normalized) if affine and bias else None
+    _, mean, rstd = aten.native_layer_norm.default(x, normalized, w, b, 1e-5)
+    return (_r(*shape), x, normalized, mean, rstd, w, b, list(mask)), {}
+
+
+def _bn_bwd(shape, train, affine=True, stats=True, mask=(True, True, True)):
+    x, c = _r(*shape), shape[1]
+    w = _r(c) if affine else None
+    rm, rv = (_r(c), _var(c)) if stats else (None, None)
+    _, sm, si = aten.native_batch_norm.default(
+        x, w, None, None if rm is None else rm.clone(), None if rv is None else rv.clone(), train, 0.1, 1e-5
+    )
+    return (_r(*shape), x, w, rm, rv, sm, si, train, 1e-5, list(mask)), {}
+
+
+# Few tensor inputs of few dims: the validator samples layouts of decomposing ops from their full product.
+# Eval forward is always decomposed, and not sampled here: the registry's all-Broadcast signature would run the
+# kernel, whose placeholder outputs are (0,) on CPU where its meta kernel says (C,). tests/test_nn_rules.py has it.
+SAMPLES = {
+    aten.native_layer_norm.default: lambda: [
+        ((_r(5, 7), [7], _r(7), _r(7), 1e-5), {}),
+        ((_r(3, 5, 6), [5, 6], _r(5, 6), None, 1e-5), {}),
+        ((_r(2, 7), [7], None, None, 1e-5), {}),
+        ((_r(3, 5), [3, 5], _r(3, 5), _r(3, 5), 1e-5), {}),
+    ],
+    aten.native_layer_norm_backward.default: lambda: [
+        _ln_bwd((5, 7), [7], bias=False, mask=(True, True, False)),
+        _ln_bwd((3, 5, 6), [6], affine=False, mask=(True, False, False)),
+        _ln_bwd((2, 7), [7], affine=False, mask=(True, False, False)),
+        _ln_bwd((3, 5), [3, 5], affine=False, mask=(True, False, False)),
+    ],
+    aten.native_batch_norm.default: lambda: [
+        ((_r(5, 3, 4), _r(3), _r(3), _r(3), _var(3), True, 0.1, 1e-5), {}),
+        ((_r(7, 5), None, None, _r(5), _var(5), True, 0.3, 1e-5), {}),
+        ((_r(5, 3, 2, 3), _r(3), None, None, None, True, 0.1, 1e-5), {}),
+    ],
+    aten._native_batch_norm_legit.default: lambda: [
+        ((_r(5, 3, 4), _r(3), _r(3), _r(3), _var(3), True, 0.1, 1e-5), {}),
+        ((_r(7, 2), None, None, _r(2), _var(2), True, 0.1, 1e-5), {}),
+    ],
+    aten._native_batch_norm_legit.no_stats: lambda: [
+        ((_r(5, 3, 4), _r(3), _r(3), True, 0.1, 1e-5), {}),
+        ((_r(7, 5), None, None, True, 0.1, 1e-5), {}),
+    ],
+    aten.native_batch_norm_backward.default: lambda: [
+        _bn_bwd((7, 5), True, stats=False),
+        _bn_bwd((5, 3, 4), True, affine=False, stats=False, mask=(True, False, False)),
+        _bn_bwd((7, 3), False, affine=False, mask=(True, False, False)),
+        _bn_bwd((2, 5), False, affine=False, mask=(True, False, False)),
+    ],
+}

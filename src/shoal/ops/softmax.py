@@ -1,0 +1,145 @@
+"""Softmax and log-softmax, forward and backward.
+
+A split on any other dim is local. A split on the softmax dim decomposes: amax gives Partial(max) and
+sum gives Partial(sum), so only per-row statistics are all-reduced (vocabulary-parallel softmax and
+loss). The backward ops are linear in the incoming gradient, so a Partial gradient stays Partial.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Broadcast, Partial, Split
+from .registry import Call, Rule, Sig, register
+
+aten = torch.ops.aten
+_B, _P = Broadcast(), Partial("sum")
+
+
+def _dim(call: Call, i: int) -> int:
+    nd = call.ins[0].ndim
+    return call.arg(i, "dim") % nd if nd else 0
+
+
+def _softmax(call: Call) -> list[Sig]:
+    dim = _dim(call, 1)
+    return [Sig((Split(d),), (Split(d),)) for d in range(call.ins[0].ndim) if d != dim]
+
+
+def _backward(call: Call) -> list[Sig]:
+    dim = _dim(call, 2)
+    sigs = [Sig((Split(d), Split(d)), (Split(d),)) for d in range(call.ins[0].ndim) if d != dim]
+    return [*sigs, Sig((_P, _B), (_P,))]
+
+
+def _split_on_dim(i: int):
+    """Decompose when a tensor input is split on the softmax dim (argument ``i`` holds the dim)."""
+
+    def pred(call: Call, specs) -> bool:
+        dim = _dim(call, i)
+        if call.ins[0].ndim == 0 or call.ins[0].shape[dim] == 0:
+            return False
+        return any(s == Split(dim) for sp in specs for s in sp.sbp)
+
+    return pred
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _cast(t, dtype):
+    return t if t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
+
+
+def _shifted(x, dim: int):
+    x = _cast(x, _compute_dtype(x.dtype))
+    return aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
+
+
+def _softmax_decomposition(x, dim: int, half_to_float: bool):
+    e = aten.exp.default(_shifted(x, dim))
+    out = aten.div.Tensor(e, aten.sum.dim_IntList(e, [dim], True))
+    return _cast(out, torch.float32 if half_to_float else x.dtype)
+
+
+def _log_softmax_decomposition(x, dim: int, half_to_float: bool):
+    s = _shifted(x, dim)
+    lse = aten.log.default(aten.sum.dim_IntList(aten.exp.default(s), [dim], True))
+    return _cast(aten.sub.Tensor(s, lse), torch.float32 if half_to_float else x.dtype)
+
+
+def _softmax_backward_decomposition(grad, out, dim: int, input_dtype: torch.dtype):
+    dt = _compute_dtype(grad.dtype)
+    grad, out = _cast(grad, dt), _cast(out, dt)
+    gy = aten.mul.Tensor(grad, out)
+    gi = aten.sub.Tensor(gy, aten.mul.Tensor(out, aten.sum.dim_IntList(gy, [dim], True)))
+    return _cast(gi, input_dtype)
+
+
+def _log_softmax_backward_decomposition(grad, out, dim: int, input_dtype: torch.dtype):
+    dt = _compute_dtype(grad.dtype)
+    grad, out = _cast(grad, dt), _cast(out, dt)
+    gi = aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), aten.sum.dim_IntList(grad, [dim], True)))
+    return _cast(gi, input_dtype)
+
+
+register(
+    aten._softmax.default,
+    Rule(_softmax, decompose=_split_on_dim(1), decomposition=_softmax_decomposition, name="softmax"),
+)
+register(
+    aten._log_softmax.default,
+    Rule(_softmax, decompose=_split_on_dim(1), decomposition=_log_softmax_decomposition, name="softmax"),
+)
+register(
+    aten._softmax_backward_data.default,
+    Rule(_backward, decompose=_split_on_dim(2), decomposition=_softmax_backward_decomposition, name="softmax_backward"),
+)
+register(
+    aten._log_softmax_backward_data.default,
+    Rule(
+        _backward,
+        decompose=_split_on_dim(2),
+        decomposition=_log_softmax_backward_decomposition,
+        name="softmax_backward",
+    ),
+)
+
+
+# -- validator samples ------------------------------------------------------------------------
+
+_G = torch.Generator().manual_seed(0)
+
+
+def _r(*shape):
+    return torch.randn(shape, generator=_G)
+
+
+def _bwd(op, shape, dim):
+    y = op(_r(*shape), dim, False)
+    return (_r(*shape), y, dim, torch.float32), {}
+
+
+SAMPLES = {
+    aten._softmax.default: lambda: [
+        ((_r(5, 7), 1, False), {}),
+        ((_r(5, 7), 0, False), {}),
+        ((_r(3, 2, 7), -1, False), {}),
+    ],
+    aten._log_softmax.default: lambda: [
+        ((_r(5, 7), 1, False), {}),
+        ((_r(7, 3), 0, False), {}),
+        ((_r(2, 5, 3), 1, False), {}),
+    ],
+    aten._softmax_backward_data.default: lambda: [
+        _bwd(aten._softmax.default, (5, 7), 1),
+        _bwd(aten._softmax.default, (5, 7), 0),
+        _bwd(aten._softmax.default, (3, 2, 7), -1),
+    ],
+    aten._log_softmax_backward_data.default: lambda: [
+        _bwd(aten._log_softmax.default, (5, 7), 1),
+        _bwd(aten._log_softmax.default, (7, 3), 0),
+        _bwd(aten._log_softmax.default, (2, 5, 3), 1),
+    ],
+}
