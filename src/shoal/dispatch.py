@@ -327,16 +327,19 @@ def _meta(t) -> torch.Tensor:
     return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
 
 
-def _aliases(func, ntensor_inputs_by_arg: list[int | None]):
-    """(mutated tensor-input indices, per returned value: the tensor input it aliases as a write)."""
+def _aliases(func, tensors_by_arg: list[tuple[int, ...]]):
+    """(mutated tensor-input indices, per returned value: the tensor input it aliases as a write).
+    ``tensors_by_arg``: per schema argument, the tensor inputs it holds (a list holds several)."""
     schema = func._schema
-    write_sets = {}
-    for a, ti in zip(schema.arguments, ntensor_inputs_by_arg):
+    write_sets: dict = {}
+    mutated: set[int] = set()
+    for a, ti in zip(schema.arguments, tensors_by_arg):
         ai = a.alias_info
-        if ai is not None and ai.is_write and ti is not None:
-            for s in ai.before_set:
-                write_sets[s] = ti
-    mutated = tuple(sorted(set(write_sets.values())))
+        if ai is not None and ai.is_write and ti:
+            mutated.update(ti)  # Tensor(a!) and Tensor(a!)[]: every element is written
+            if len(ti) == 1:
+                for s in ai.before_set:
+                    write_sets[s] = ti[0]
     rets = []
     for r in schema.returns:
         ai = r.alias_info
@@ -345,7 +348,15 @@ def _aliases(func, ntensor_inputs_by_arg: list[int | None]):
             for s in ai.before_set:
                 hit = write_sets.get(s, hit)
         rets.append(hit)
-    return mutated, rets
+    return tuple(sorted(mutated)), rets
+
+
+def _slots_in(v) -> tuple[int, ...]:
+    if type(v) is _Slot:
+        return (v.i,)
+    if type(v) is _Seq:
+        return tuple(e.i for e in v.items if type(e) is _Slot)
+    return ()
 
 
 @dataclass
@@ -358,12 +369,11 @@ class _Prepared:
 
 
 def _prepare(func, targs, tkwargs, tensors, specs: tuple = ()) -> _Prepared:
-    # which tensor input each schema argument holds (single-tensor args only: mutation is per tensor)
-    arg_to_tensor: list[int | None] = []
-    for i, a in enumerate(func._schema.arguments):
-        v = targs[i] if i < len(targs) else tkwargs.get(a.name)
-        arg_to_tensor.append(v.i if type(v) is _Slot else None)
-    mutated, ret_alias = _aliases(func, arg_to_tensor)
+    # which tensor inputs each schema argument holds
+    by_arg = [
+        _slots_in(targs[i] if i < len(targs) else tkwargs.get(a.name)) for i, a in enumerate(func._schema.arguments)
+    ]
+    mutated, ret_alias = _aliases(func, by_arg)
     rule = lookup(func)
     if rule is None or rule.kind == "value":
         return _Prepared(rule, None, mutated, [], None)

@@ -1,9 +1,37 @@
 """Op rules, one module per family, all in the one registry of ``registry``."""
 
-from . import embedding, factory, loss, matrix, normalization, pointwise, random, reduction, softmax, view
+from . import (
+    attention,
+    convolution,
+    embedding,
+    factory,
+    foreach,
+    loss,
+    matrix,
+    normalization,
+    pointwise,
+    random,
+    reduction,
+    softmax,
+    view,
+)
 from .registry import Call, Rule, Sig, lookup, register, registered_ops
 
 # each family module registers its rules on import; validator samples may live beside them
-FAMILIES = (factory, matrix, pointwise, random, reduction, view, normalization, softmax, loss, embedding)
+FAMILIES = (
+    attention,
+    convolution,
+    factory,
+    foreach,
+    matrix,
+    pointwise,
+    random,
+    reduction,
+    view,
+    normalization,
+    softmax,
+    loss,
+    embedding,
+)
 
 __all__ = ["Call", "Rule", "Sig", "lookup", "register", "registered_ops", "FAMILIES"]

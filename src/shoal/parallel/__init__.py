@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
-from ..sbp import SBP, Broadcast, Split, normalize_sbp
+from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp
 from ..tensor import GlobalTensor, to_global
 
 __all__ = ["Plan", "distribute_module", "shard_optimizer_state", "memory_per_device", "data_parallel"]
@@ -138,9 +138,10 @@ def data_parallel(mesh: Mesh, axis: str | int = 0) -> Plan:
 
 
 def zero_layout(spec_sbp: tuple, shape: Sequence[int], mesh: Mesh, axis: int) -> tuple:
-    """``spec_sbp`` with the Broadcast on ``axis`` turned into a split of the largest dim no other
-    axis splits (unchanged when the axis is not Broadcast or no dim is large enough)."""
-    if not isinstance(spec_sbp[axis], Broadcast):
+    """``spec_sbp`` with the Broadcast (or Partial sum, e.g. a momentum buffer cloned from a gradient)
+    on ``axis`` turned into a split of the largest dim no other axis splits (unchanged when no dim is
+    large enough)."""
+    if not (isinstance(spec_sbp[axis], Broadcast) or spec_sbp[axis] == Partial("sum")):
         return spec_sbp
     taken = {s.dim for s in spec_sbp if isinstance(s, Split)}
     n = mesh.shape[axis]

@@ -1,0 +1,193 @@
+"""Convolution and pooling: ``convolution`` (conv1d/2d/3d, transposed too) and its backward,
+``max_pool2d_with_indices``, ``avg_pool2d``, ``_adaptive_avg_pool2d`` and their backwards.
+
+Batch and channel splits are local: batch S(0) with weight B; output channels (weight S(0), bias
+S(0)) -> S(1); input channels (input S(1), weight S(1), bias Partial) -> Partial. Channel splits need
+``groups == 1``. Convolution is linear in input and in weight, so Partial passes through either.
+Spatial splits would need halos and are never offered. Empty shards run padded (``empty.pad_empty``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Broadcast, Partial, Split
+from .empty import pad_empty, pad_empty_local
+from .registry import Call, Rule, Sig, register
+
+aten = torch.ops.aten
+_B, _P = Broadcast(), Partial("sum")
+S = Split
+
+
+def _weight_dims(transposed: bool) -> tuple[int, int]:
+    """(weight dim of output channels, weight dim of input channels); activations are (N, C, ...)."""
+    return (1, 0) if transposed else (0, 1)
+
+
+def _convolution(call: Call) -> list[Sig]:
+    has_bias = len(call.ins) == 3
+    transposed, groups = bool(call.arg(6, "transposed")), call.arg(8, "groups")
+    wo, wi = _weight_dims(transposed)
+
+    def sig(xs, ws, bs, out):
+        return Sig((xs, ws, bs) if has_bias else (xs, ws), (out,))
+
+    sigs = [sig(_P, _B, _P, _P), sig(_B, _P, _P, _P)]  # linear in input, and in weight
+    sigs.append(sig(S(0), _B, _B, S(0)))
+    if groups == 1:
+        sigs.append(sig(_B, S(wo), S(0), S(1)))
+        sigs.append(sig(S(1), S(wi), _P, _P))
+    return sigs
+
+
+register(aten.convolution.default, Rule(_convolution, local=pad_empty_local, local_ctx=True, name="convolution"))
+
+
+def _convolution_backward(call: Call) -> list[Sig]:
+    transposed, groups = bool(call.arg(7, "transposed")), call.arg(9, "groups")
+    mask = list(call.arg(10, "output_mask"))
+    wo, wi = _weight_dims(transposed)
+
+    def sig(ins, gi, gw, gb):
+        return Sig(ins, tuple(o for o, m in zip((gi, gw, gb), mask) if m))
+
+    sigs = [
+        sig((_P, _B, _B), _P, _P, _P),  # linear in grad_output
+        sig((_B, _P, _B), _B, _P, _B),  # grad_weight is linear in input; the others do not read it
+        sig((_B, _B, _P), _P, _B, _B),  # grad_input is linear in weight
+    ]
+    sigs.append(sig((S(0), S(0), _B), S(0), _P, _P))
+    if groups == 1:
+        sigs.append(sig((S(1), _B, S(wo)), _P, S(wo), S(0)))
+        sigs.append(sig((_B, S(1), S(wi)), S(1), S(wi), _B))
+    return sigs
+
+
+def _conv_backward_local(call: Call, ins, outs):
+    """Each shard's grad_bias has its shard's channel count: bias_sizes follows grad_output's shard."""
+
+    def run(go, x, w, bias_sizes, *rest):
+        if bias_sizes is not None:
+            bias_sizes = [go.shape[1]]
+        return aten.convolution_backward.default(go, x, w, bias_sizes, *rest)
+
+    return pad_empty(run)
+
+
+register(
+    aten.convolution_backward.default,
+    Rule(_convolution_backward, local=_conv_backward_local, local_ctx=True, name="convolution_backward"),
+)
+
+
+# -- pooling: every dim but the pooled (last two) is independent -------------------------------
+
+
+def _pool_dims(x: torch.Tensor) -> range:
+    return range(x.ndim - 2)
+
+
+def _pool(call: Call) -> list[Sig]:
+    x = call.ins[0]
+    nout = len(call.outs)
+    sigs = [Sig((S(d),), (S(d),) * nout) for d in _pool_dims(x)]
+    if call.func != aten.max_pool2d_with_indices.default:  # averages are linear (indices are not)
+        sigs.append(Sig((_P,), (_P,)))
+    return sigs
+
+
+def _pool_backward(call: Call) -> list[Sig]:
+    """grad_output, input (and indices) split alike; linear in grad_output."""
+    n = len(call.ins)
+    x = call.ins[1]
+    sigs = [Sig((S(d),) * n, (S(d),)) for d in _pool_dims(x)]
+    sigs.append(Sig((_P,) + (_B,) * (n - 1), (_P,)))
+    return sigs
+
+
+_POOL = Rule(_pool, local=pad_empty_local, local_ctx=True, name="pool")
+_POOL_BACKWARD = Rule(_pool_backward, local=pad_empty_local, local_ctx=True, name="pool_backward")
+register([aten.max_pool2d_with_indices.default, aten.avg_pool2d.default, aten._adaptive_avg_pool2d.default], _POOL)
+register(
+    [
+        aten.max_pool2d_with_indices_backward.default,
+        aten.avg_pool2d_backward.default,
+        aten._adaptive_avg_pool2d_backward.default,
+    ],
+    _POOL_BACKWARD,
+)
+
+
+# -- validator samples (shoal.ops.validate) ---------------------------------------------------
+
+_G = torch.Generator().manual_seed(0)
+
+
+def _r(*shape, dtype=torch.float64):  # long sums over noisy Partial pieces: float32 rounding would show
+    return torch.randn(shape, generator=_G, dtype=dtype)
+
+
+def _conv_samples():
+    x, w, b = _r(5, 7, 7, 7), _r(5, 7, 3, 3), _r(5)
+    return [
+        ((x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
+        ((_r(3, 5, 7, 7), _r(7, 5, 3, 3), None, [2, 2], [0, 1], [1, 1], False, [0, 0], 1), {}),
+        ((_r(3, 6, 7, 7), _r(6, 2, 3, 3), _r(6), [1, 1], [1, 1], [2, 2], False, [0, 0], 3), {}),  # grouped
+        ((_r(3, 5, 7), _r(7, 5, 3), _r(7), [1], [1], [1], False, [0], 1), {}),  # conv1d
+        ((_r(3, 5, 4, 4), _r(5, 7, 3, 3), _r(7), [2, 2], [1, 1], [1, 1], True, [1, 1], 1), {}),  # transposed
+        ((_r(2, 2, 5, 5), _r(2, 2, 3, 3), _r(2), [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {}),  # empty shards
+    ]
+
+
+def _conv_backward_samples():
+    out = []
+    for (x, w, b, stride, pad, dil, tr, opad, groups), _ in _conv_samples():
+        y = aten.convolution.default(x, w, b, stride, pad, dil, tr, opad, groups)
+        bias_sizes = None if b is None else list(b.shape)
+        masks = [[True, True, b is not None]] + ([[False, True, False], [True, False, False]] if not out else [])
+        for mask in masks:
+            out.append(((_r(*y.shape), x, w, bias_sizes, stride, pad, dil, tr, opad, groups, mask), {}))
+    return out
+
+
+def _pool_samples(op):
+    """Full argument lists, so that the backward samples can reuse them."""
+    x4, x3, small = _r(5, 7, 7, 7), _r(7, 7, 7), _r(2, 2, 5, 5)  # small: empty shards on 3 or 4 devices
+    if op == "max":  # (x, kernel, stride, padding, dilation, ceil_mode)
+        cfgs = [(x4, [2, 2], [2, 2], [0, 0], [1, 1], False), (x4, [3, 3], [2, 2], [1, 1], [1, 1], True)]
+        cfgs += [(x3, [2, 2], [1, 1], [0, 0], [2, 2], False), (small, [2, 2], [2, 2], [0, 0], [1, 1], False)]
+    elif op == "avg":  # (x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        cfgs = [(x4, [2, 2], [2, 2], [0, 0], False, True, None), (x4, [3, 3], [2, 2], [1, 1], True, False, None)]
+        cfgs += [(x3, [3, 3], [2, 2], [1, 1], False, True, 2), (small, [2, 2], [2, 2], [0, 0], False, True, None)]
+    else:  # (x, output_size)
+        cfgs = [(x4, [2, 3]), (x3, [3, 3]), (small, [2, 2])]
+    return [(cfg, {}) for cfg in cfgs]
+
+
+def _pool_backward_samples(op):
+    out = []
+    for args, _ in _pool_samples(op):
+        x = args[0]
+        if op == "max":
+            y, idx = aten.max_pool2d_with_indices.default(*args)
+            out.append(((_r(*y.shape), *args, idx), {}))
+        elif op == "avg":
+            y = aten.avg_pool2d.default(*args)
+            out.append(((_r(*y.shape), *args), {}))
+        else:
+            y = aten._adaptive_avg_pool2d.default(*args)
+            out.append(((_r(*y.shape), x), {}))
+    return out
+
+
+SAMPLES = {
+    aten.convolution.default: _conv_samples,
+    aten.convolution_backward.default: _conv_backward_samples,
+    aten.max_pool2d_with_indices.default: lambda: _pool_samples("max"),
+    aten.avg_pool2d.default: lambda: _pool_samples("avg"),
+    aten._adaptive_avg_pool2d.default: lambda: _pool_samples("adaptive"),
+    aten.max_pool2d_with_indices_backward.default: lambda: _pool_backward_samples("max"),
+    aten.avg_pool2d_backward.default: lambda: _pool_backward_samples("avg"),
+    aten._adaptive_avg_pool2d_backward.default: lambda: _pool_backward_samples("adaptive"),
+}

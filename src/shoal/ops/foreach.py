@@ -1,0 +1,451 @@
+"""Foreach ops (``torch._foreach_*``, the optimizers' multi-tensor path), ``linalg_vector_norm``, and
+GlobalTensor made a foreach-supported type, so optimizers and ``clip_grad_norm_`` take that path.
+
+A foreach op is one pointwise op per list index. Its rule is n-D (``nd=True``): each index keeps one
+layout, the written element's (in place) or the cheapest of its operands' (out of place), and the
+other operands of that index are boxed to it. Partial passes only where the op is linear in it
+(``_LINEAR``); the pointwise overloads not listed in ``_OPS`` get the same signatures from one generic
+rule. Norms of split tensors need a reduction across shards: ``_foreach_norm`` and
+``linalg_vector_norm`` give Partial results for ord 0, 1 and inf and are decomposed otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import _foreach_supported_types as _OPTIM_FOREACH_TYPES
+from torch.utils._foreach_utils import _foreach_supported_types as _UTIL_FOREACH_TYPES
+
+from .. import boxing
+from ..sbp import Broadcast, NdSBP, Partial, Split
+from ..tensor import GlobalTensor
+from .empty import pad_empty, pad_empty_local
+from .registry import Call, Rule, Sig, register, register_generic
+
+aten = torch.ops.aten
+_B = Broadcast()
+_SUM = Partial("sum")
+
+# per overload: groups of list arguments (0 = the first) the op is jointly linear in while the other
+# tensor arguments are Broadcast (scalars do not count: x + 2 is not linear in x)
+_LINEAR: dict[tuple[str, str], tuple[tuple[int, ...], ...]] = {
+    ("add", "List"): ((0, 1),),
+    ("sub", "List"): ((0, 1),),
+    ("mul", "Scalar"): ((0,),),
+    ("mul", "ScalarList"): ((0,),),
+    ("mul", "Tensor"): ((0,),),
+    ("mul", "List"): ((0,), (1,)),
+    ("div", "Scalar"): ((0,),),
+    ("div", "ScalarList"): ((0,),),
+    ("div", "Tensor"): ((0,),),
+    ("div", "List"): ((0,),),
+    ("lerp", "Scalar"): ((0, 1),),
+    ("lerp", "List"): ((0, 1),),
+    ("neg", "default"): ((0,),),
+    ("zero_", "default"): ((0,),),
+    ("copy_", "default"): ((0, 1),),
+    ("addcmul", "Scalar"): ((0, 1), (0, 2)),
+    ("addcmul", "ScalarList"): ((0, 1), (0, 2)),
+    ("addcdiv", "Scalar"): ((0, 1),),
+    ("addcdiv", "ScalarList"): ((0, 1),),
+}
+
+# registered overloads: name (without ``_foreach_``) -> overloads, in place and out of place
+_OPS = {
+    "add": ("List", "Scalar", "Tensor", "ScalarList"),
+    "sub": ("List", "Scalar"),
+    "mul": ("List", "Scalar", "Tensor", "ScalarList"),
+    "div": ("List", "Scalar", "Tensor", "ScalarList"),
+    # not the .Tensor overloads: their CPU ``scalars`` tensor has no meta run, so dispatch could not use a rule
+    "addcmul": ("Scalar", "ScalarList"),
+    "addcdiv": ("Scalar", "ScalarList"),
+    "lerp": ("Scalar", "List"),
+    "maximum": ("List",),
+    "neg": ("default",),
+    "sqrt": ("default",),
+    "abs": ("default",),
+    "sign": ("default",),
+    "reciprocal": ("default",),
+}
+_INPLACE_ONLY = ("zero_", "copy_")
+
+
+@dataclass(frozen=True, slots=True)
+class _Args:
+    """Where a foreach call's tensors are: flat input indices per list argument, and the single tensors."""
+
+    lists: tuple[tuple[int, ...], ...]
+    singles: tuple[int, ...]
+    per_index: tuple[str, ...]  # arguments with one entry per list index (tensor and scalar lists)
+
+
+def _base(func) -> tuple[str, str, bool]:
+    """(name without ``_foreach_`` and trailing ``_``, overload, in place)."""
+    name = func._schema.name.split("::")[1][len("_foreach_") :]
+    inplace = name.endswith("_")
+    base = name[:-1] if inplace and name not in _INPLACE_ONLY else name
+    return base, func._overloadname, inplace
+
+
+def _args(call: Call) -> _Args:
+    schema = call.func._schema.arguments
+    by_name = {a.name: a for a in schema}
+    named = [(schema[i], v) for i, v in enumerate(call.args)] + [(by_name[k], v) for k, v in call.kwargs.items()]
+    lists, singles, per_index, k = [], [], [], 0
+    for a, v in named:
+        if isinstance(v, torch.Tensor):
+            singles.append(k)
+            k += 1
+        elif isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):
+            lists.append(tuple(range(k, k + len(v))))
+            k += len(v)
+            per_index.append(a.name)
+        elif isinstance(v, (list, tuple)):
+            per_index.append(a.name)
+    return _Args(tuple(lists), tuple(singles), tuple(per_index))
+
+
+def _operand(anchor: NdSBP, out: torch.Tensor, t: torch.Tensor, in_group: bool) -> NdSBP:
+    """An operand's layout for an index laid out as ``anchor`` (the operand may broadcast to it)."""
+    sbp = []
+    for s in anchor:
+        if isinstance(s, Split):
+            d = s.dim - (out.ndim - t.ndim)
+            sbp.append(_B if d < 0 or (t.shape[d] == 1 and out.shape[s.dim] != 1) else Split(d))
+        elif isinstance(s, Partial):
+            sbp.append(s if in_group else _B)
+        else:
+            sbp.append(_B)
+    return tuple(sbp)
+
+
+def _usable(anchor: NdSBP, groups, j: int) -> tuple[NdSBP, tuple[int, ...]]:
+    """``anchor`` (the layout of list ``j``'s element) made exact: Partial(sum) stays where the op is
+    linear in a group holding list ``j``, other Partials become Broadcast. Returns it and the group."""
+    group = next((g for g in groups if j in g), ())
+    return tuple(_B if isinstance(s, Partial) and (s != _SUM or not group) else s for s in anchor), group
+
+
+def _keep_size1(sbp: NdSBP, spec) -> NdSBP:
+    """On a mesh axis of one device every layout holds the whole tensor: keep the operand's own."""
+    return tuple(spec.sbp[a] if n == 1 else s for a, (s, n) in enumerate(zip(sbp, spec.mesh.shape)))
+
+
+def _foreach(call: Call) -> list:
+    """The one n-D signature: per index, every operand in the layout of the index's anchor."""
+    if not call.specs:
+        return []  # the validator's listing: layouts are only known for a real call
+    base, overload, inplace = _base(call.func)
+    groups = _LINEAR.get((base, overload), ())
+    where = _args(call)
+    specs, ins = call.specs, call.ins
+    rep = (_B,) * len(specs[0].sbp)
+    sbp_in: list = [None] * len(ins)
+    sbp_out = []
+    n = len(where.lists[0])
+    for i in range(n):
+        idx = [lst[i] for lst in where.lists]
+        out = ins[idx[0]] if inplace else call.outs[i]
+        options = [0] if inplace else [j for j, x in enumerate(idx) if tuple(ins[x].shape) == tuple(out.shape)]
+        best = None
+        for j in options or [-1]:  # -1: every operand broadcasts to the output: Broadcast
+            anchor, group = _usable(specs[idx[j]].sbp if j >= 0 else rep, groups, j)
+            layouts = [_keep_size1(_operand(anchor, out, ins[x], jj in group), specs[x]) for jj, x in enumerate(idx)]
+            cost = sum(boxing.cost(specs[x], s) for x, s in zip(idx, layouts) if specs[x].sbp != s)
+            if best is None or cost < best[0]:
+                best = (cost, anchor, layouts)
+        _, anchor, layouts = best
+        for x, s in zip(idx, layouts):
+            sbp_in[x] = _keep_size1(s, specs[x])
+        if not inplace:
+            sbp_out.append(anchor)
+    for x in where.singles:
+        sbp_in[x] = rep
+    return [(tuple(sbp_in), tuple(sbp_out))]
+
+
+def _writes_partial(call: Call, specs) -> bool:
+    """In place into a Partial element: its shards may be one shared piece of memory (a kept-one copy
+    beside shared zeros), which a list op cannot unshare; run it as per-tensor ops instead."""
+    where = _args(call)
+    return any(isinstance(s, Partial) for x in where.lists[0] for s in specs[x].sbp)
+
+
+def _inplace_decomposition(func):
+    """The op out of place, then one ``copy_`` per element (per-tensor writes dispatch handles fully)."""
+    base, overload, _ = _base(func)
+
+    def run(self, *args, **kwargs):
+        if base == "zero_":
+            for t in self:
+                aten.zero_.default(t)
+            return None
+        if base == "copy_":
+            for t, src in zip(self, args[0]):
+                aten.copy_.default(t, src)
+            return None
+        outs = getattr(getattr(aten, "_foreach_" + base), overload)(self, *args, **kwargs)
+        for t, o in zip(self, outs):
+            aten.copy_.default(t, o)
+        return None
+
+    return run
+
+
+def _region(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def _inplace_local(call: Call, ins, outs):
+    """Write each element's memory once: the shards of a Broadcast element are one tensor shared by the
+    devices on CPU, and dispatch runs a list op once per device. Elements another device of this call
+    already wrote (with equal operands, as their layouts match) are left out of the call."""
+    where = _args(call)
+    moved = [x for x in where.lists[0] if call.specs and _keep_size1(ins[x], call.specs[x]) != call.specs[x].sbp]
+    if moved:  # only the generic rule gets here: explicit in-place rules decompose such calls
+        raise ValueError(
+            f"shoal: {call.func} writes list elements laid out {[str(call.specs[x].sbp) for x in moved]}, which "
+            f"it cannot compute in place exactly (Partial, op not linear). Reduce them first, e.g. "
+            f"x.to_global(sbp=shoal.B) for Partial axes, or call the op per tensor."
+        )
+    func = call.func
+    schema = func._schema.arguments
+    names = [a.name for a in schema]
+    written: set = set()
+
+    def run(shard, *args, **kwargs):
+        if shard.pos == shard.in_specs[0].mesh.local_positions[0]:
+            written.clear()  # a new call starts at the first local device
+        self_list = args[0]
+        regions = [_region(t) for t in self_list]
+        keep = [i for i, r in enumerate(regions) if r not in written]
+        written.update(regions)
+        if len(keep) == len(self_list):
+            return func(*args, **kwargs)
+        if not keep:
+            return None
+
+        def pick(name, v):
+            return [v[i] for i in keep] if name in where.per_index else v
+
+        a = [pick(names[i], v) for i, v in enumerate(args)]
+        kw = {k: pick(k, v) for k, v in kwargs.items()}
+        return func(*a, **kw)
+
+    return run
+
+
+def _register_pointwise() -> list:
+    ops = []
+    for base, overloads in _OPS.items():
+        for ov in overloads:
+            ops.append((getattr(getattr(aten, f"_foreach_{base}"), ov), False))
+            ops.append((getattr(getattr(aten, f"_foreach_{base}_"), ov), True))
+    ops += [(aten._foreach_zero_.default, True), (aten._foreach_copy_.default, True)]
+    for op, inplace in ops:
+        if inplace:
+            rule = Rule(
+                _foreach,
+                nd=True,
+                local=_inplace_local,
+                local_ctx=True,
+                decompose=_writes_partial,
+                decomposition=_inplace_decomposition(op),
+                name="foreach_",
+            )
+        else:
+            rule = Rule(_foreach, nd=True, name="foreach")
+        register(op, rule)
+    return [op for op, _ in ops]
+
+
+FOREACH_OPS = _register_pointwise()
+
+
+def _other_pointwise_foreach(op) -> bool:
+    """Every other ``_foreach_*`` overload that maps a pointwise op over lists (not ``out=`` ones)."""
+    name = op._schema.name
+    if not name.startswith("aten::_foreach_") or op._overloadname.endswith("out"):
+        return False
+    packet = getattr(aten, name[len("aten::_foreach_") :].rstrip("_"), None)
+    return packet is not None and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _generic_local(call: Call, ins, outs):
+    if _base(call.func)[2]:
+        return _inplace_local(call, ins, outs)
+    func = call.func
+    return lambda shard, *args, **kwargs: func(*args, **kwargs)
+
+
+# Without a rule, an in-place list op would run on Broadcast copies and its writes would be lost: give
+# the rest of the pointwise family the same signatures (Partial only through Broadcast, as none is
+# known to be linear). Validated through the explicit ones, which share the code.
+register_generic(
+    _other_pointwise_foreach, Rule(_foreach, nd=True, local=_generic_local, local_ctx=True, name="foreach")
+)
+
+
+# -- norms ------------------------------------------------------------------------------------
+
+# ord -> the Partial that per-shard norms of a split tensor reduce with (|x| >= 0: a zero pads max)
+_NORM_PARTIAL = {0.0: "sum", 1.0: "sum", math.inf: "max"}
+
+
+def _vector_norm_dims(call: Call) -> tuple[tuple[int, ...], bool]:
+    x = call.ins[0]
+    dim = call.arg(2, "dim")
+    keepdim = bool(call.arg(3, "keepdim", False))
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return tuple(range(x.ndim)), keepdim
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return tuple(sorted({d % max(x.ndim, 1) for d in dims})), keepdim
+
+
+def _vector_norm(call: Call) -> list[Sig]:
+    x = call.ins[0]
+    dims, keepdim = _vector_norm_dims(call)
+    kind = _NORM_PARTIAL.get(float(call.arg(1, "ord", 2)))
+    sigs = []
+    for d in range(x.ndim):
+        if d not in dims:
+            od = d if keepdim else d - sum(1 for r in dims if r < d)
+            sigs.append(Sig((Split(d),), (Split(od),)))
+        elif kind is not None:
+            sigs.append(Sig((Split(d),), (Partial(kind),)))
+    return sigs
+
+
+def _splits_reduced(call: Call, specs) -> bool:
+    """ord 2 (and any other p) of a split reduced dim: sum |x|^p across shards, then the root."""
+    if float(call.arg(1, "ord", 2)) in _NORM_PARTIAL:
+        return False
+    dims, _ = _vector_norm_dims(call)
+    return any(isinstance(s, Split) and s.dim in dims for s in specs[0].sbp)
+
+
+def _vector_norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if dtype is not None:
+        x = aten._to_copy.default(x, dtype=dtype)
+    dims = list(range(x.ndim)) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    p = float(ord)
+    a = aten.abs.default(x)
+    if math.isinf(p):
+        return (aten.amax.default if p > 0 else aten.amin.default)(a, dims, keepdim)
+    s = aten.sum.dim_IntList(aten.mul.Tensor(a, a) if p == 2 else aten.pow.Tensor_Scalar(a, p), dims, keepdim)
+    return aten.sqrt.default(s) if p == 2 else aten.pow.Tensor_Scalar(s, 1.0 / p)
+
+
+register(
+    aten.linalg_vector_norm.default,
+    Rule(
+        _vector_norm,
+        local=pad_empty_local,
+        local_ctx=True,
+        decompose=_splits_reduced,
+        decomposition=_vector_norm_decomposition,
+        name="vector_norm",
+    ),
+)
+
+
+def _foreach_norm(call: Call) -> list:
+    """Per element: split axes give the ord's Partial (0, 1, inf); anything else must be Broadcast."""
+    if not call.specs:
+        return []
+    kind = _NORM_PARTIAL.get(float(call.arg(1, "ord", 2)))
+    if kind is None:
+        return []
+    sbp_in, sbp_out = [], []
+    for spec in call.specs:
+        ins = tuple(s if isinstance(s, Split) else _B for s in spec.sbp)
+        sbp_in.append(ins)
+        sbp_out.append(tuple(Partial(kind) if isinstance(s, Split) else _B for s in ins))
+    return [(tuple(sbp_in), tuple(sbp_out))]
+
+
+def _foreach_norm_splits(call: Call, specs) -> bool:
+    return float(call.arg(1, "ord", 2)) not in _NORM_PARTIAL and any(not spec.is_replicated for spec in specs)
+
+
+def _foreach_norm_decomposition(self, ord=2, dtype=None):
+    return [aten.linalg_vector_norm.default(t, ord, dtype=dtype) for t in self]
+
+
+def _foreach_norm_local(call: Call, ins, outs):
+    return pad_empty(call.func)
+
+
+register(
+    aten._foreach_norm.Scalar,
+    Rule(
+        _foreach_norm,
+        nd=True,
+        local=_foreach_norm_local,
+        local_ctx=True,
+        decompose=_foreach_norm_splits,
+        decomposition=_foreach_norm_decomposition,
+        name="foreach_norm",
+    ),
+)
+
+# Optimizers and clip_grad_norm_ take the foreach path only for these types (DTensor adds itself too).
+for _types in (_UTIL_FOREACH_TYPES, _OPTIM_FOREACH_TYPES):
+    if GlobalTensor not in _types:
+        _types.append(GlobalTensor)
+
+
+# -- validator samples (shoal.ops.validate) ---------------------------------------------------
+
+_G = torch.Generator().manual_seed(0)
+
+
+def _r(*shape):
+    return torch.randn(shape, generator=_G, dtype=torch.float64)
+
+
+def _pos(*shape):
+    return _r(*shape).abs() + 0.5
+
+
+def _sample(base: str, overload: str, inplace: bool):
+    """Lists of two (small: the validator tries layouts of every element); (2,) leaves empty shards."""
+    a, b = [_r(5, 3), _r(2)], [_r(5, 3), _r(2)]
+    s, t = [_r(7), _r()], [_pos(7), _pos()]  # ternary ops: fewer layouts per element
+    if base in ("neg", "sqrt", "abs", "sign", "reciprocal", "zero_"):
+        return [(([_pos(5, 3), _pos(2), _pos(7)],), {})]
+    if base == "copy_":
+        return [((a, b), {})]
+    if base in ("addcmul", "addcdiv"):
+        return [(([_r(7), _r()], s, t, 0.3 if overload == "Scalar" else [0.3, -2.0]), {})]
+    if base == "lerp":
+        return [(([_r(7), _r()], s, 0.3 if overload == "Scalar" else [_pos(7) / 3, _pos() / 3]), {})]
+    if overload == "List":
+        kw = {"alpha": -0.5} if base in ("add", "sub") else {}
+        other = [_pos(5, 3), _pos(2)] if base == "div" else b
+        return [((a, other), kw), ((a, [_r(3), _r(2)]), {})] if base in ("add", "mul") else [((a, other), kw)]
+    if overload == "Scalar":
+        return [((a, 1.5), {})]
+    if overload == "ScalarList":
+        return [((a, [1.5, -3.0]), {})]
+    return [((a, _pos()), {"alpha": 2.0} if base == "add" else {})]  # Tensor: one 0-dim tensor for all
+
+
+SAMPLES = {op: (lambda op=op: _sample(*_base(op))) for op in FOREACH_OPS}
+SAMPLES[aten._foreach_norm.Scalar] = lambda: [
+    (([_r(5, 3), _r(2), _r(7)],), {}),
+    (([_r(5, 3), _r(2)], 1), {}),
+    (([_r(5, 3), _r(2)], math.inf), {}),
+    (([_r(7).float(), _r(2).float()], 3.0, torch.float64), {}),
+]
+SAMPLES[aten.linalg_vector_norm.default] = lambda: [
+    ((_r(5, 7),), {}),
+    ((_r(5, 7), 1, [1]), {}),
+    ((_r(5, 7), math.inf, [0], True), {}),
+    ((_r(5, 7), 0), {}),
+    ((_r(2, 7), 3.0, [0]), {}),
+    ((_r(5, 7).float(), 2, [1], False), {"dtype": torch.float64}),
+    ((_r(7, 2), -math.inf, [1]), {}),
+]
