@@ -84,6 +84,8 @@ def _log_softmax_backward_decomposition(grad, out, dim: int, input_dtype: torch.
     return _cast(gi, input_dtype)
 
 
+# _safe_softmax (attention's math path): rows of -inf give 0; split dims other than ``dim`` are local
+register(aten._safe_softmax.default, Rule(_softmax, name="safe_softmax"))
 register(
     aten._softmax.default,
     Rule(_softmax, decompose=_split_on_dim(1), decomposition=_softmax_decomposition, name="softmax"),
@@ -122,6 +124,10 @@ def _bwd(op, shape, dim):
 
 
 SAMPLES = {
+    aten._safe_softmax.default: lambda: [
+        ((torch.tensor([[0.0, -float("inf")], [-float("inf"), -float("inf")], [1.0, 2.0]]), 1), {}),
+        ((_r(5, 7), 0), {}),
+    ],
     aten._softmax.default: lambda: [
         ((_r(5, 7), 1, False), {}),
         ((_r(5, 7), 0, False), {}),
