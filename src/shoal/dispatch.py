@@ -550,7 +550,7 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
     results: list = [None] * mesh.size
     run_at = positions[:1] if once else positions
     same_as: dict = {}
-    if dec.mutated and not once:
+    if dec.mutated and not once and len(positions) > 1:
         run_at, same_as = _plan_writes(dec.mutated, shards_in, positions)
     simple = tkwargs is None
     for p in run_at:
@@ -653,8 +653,9 @@ def _same_everywhere(shards, positions) -> bool:
 
 
 def _region(t) -> tuple:
+    """The memory a shard covers: equal regions are the same piece of memory."""
     if isinstance(t, torch.Tensor):
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        return (t.data_ptr(), t.shape, t.stride())
     return (id(t),)
 
 
