@@ -1,0 +1,110 @@
+"""The ``shoal`` command (also ``python -m shoal``).
+
+``shoal train gpt|bert|resnet --devices 4 --mesh 2x2 --plan dp,tp --steps 100`` trains a bundled
+model on data made in code, laid out by the model's plan; see ``shoal train --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import train as training
+
+__all__ = ["main"]
+
+
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"mesh {text!r}: expected sizes joined by 'x', e.g. 4 or 2x2") from None
+    if not 1 <= len(shape) <= 2 or any(n < 1 for n in shape):
+        raise argparse.ArgumentTypeError(f"mesh {text!r}: expected a 1-D or 2-D shape of positive sizes, e.g. 2x2")
+    return shape
+
+
+def _setting(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE, e.g. n_layer=2")
+    return key, value
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="shoal", description="Train on many devices as if they were one.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    d = training.TrainConfig()
+    t = sub.add_parser(
+        "train",
+        help="train a bundled model (gpt, bert, resnet) with a parallel plan",
+        description="Train a bundled model on data made in code (Python's own source for gpt and bert, "
+        "synthetic stripes for resnet), laid out on virtual devices by the model's plan. Writes loss.png "
+        "and losses.json into the run directory.",
+    )
+    t.add_argument("model", choices=list(training.MODELS), metavar="MODEL", help="gpt, bert or resnet")
+    t.add_argument("--devices", type=int, default=d.devices, help="virtual devices (default %(default)s)")
+    t.add_argument("--mesh", type=_mesh, help="mesh shape, e.g. 4 or 2x2 (default: --devices, 2xN for dp,tp)")
+    t.add_argument(
+        "--plan",
+        default=d.plan,
+        choices=training.PLANS,
+        metavar="PLAN",
+        help="dp: data parallel; tp: Megatron tensor parallel; dp,tp: both on a 2-D mesh; zero: dp with "
+        "the optimizer state split; none: plain torch on one device (default %(default)s)",
+    )
+    t.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
+    t.add_argument("--batch", type=int, default=d.batch, help="global batch size (default %(default)s)")
+    lrs = ", ".join(f"{v:g} for {k}" for k, v in training.DEFAULT_LR.items())
+    t.add_argument("--lr", type=float, help=f"peak learning rate (default {lrs})")
+    t.add_argument("--warmup", type=int, help="linear warmup steps before cosine decay (default: steps // 10)")
+    t.add_argument("--optimizer", default=d.optimizer, choices=training.OPTIMIZERS, help="(default %(default)s)")
+    t.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    t.add_argument("--seed", type=int, default=d.seed, help="(default %(default)s)")
+    t.add_argument("--every", type=int, default=d.every, help="print the loss every N steps (default %(default)s)")
+    t.add_argument("--out", help="run directory (default runs/<model>-<plan>-<time>/)")
+    t.add_argument("--sample", type=int, default=d.sample, help="gpt: characters to generate (default %(default)s)")
+    t.add_argument(
+        "--set",
+        dest="model_args",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model config field, e.g. --set n_layer=2 --set n_embd=64 (repeatable)",
+    )
+    t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 2
+    cfg = training.TrainConfig(
+        model=args.model,
+        plan=args.plan,
+        devices=args.devices,
+        mesh=args.mesh,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=args.warmup,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        threads=args.threads,
+        every=args.every,
+        out=args.out,
+        model_args=dict(args.model_args),
+        sample=args.sample,
+        progress=args.progress,
+    )
+    try:
+        training.check(cfg)
+    except ValueError as e:
+        print(f"shoal train: error: {e}", file=sys.stderr)
+        return 2
+    training.train(cfg)
+    return 0

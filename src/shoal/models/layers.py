@@ -1,0 +1,78 @@
+"""Transformer parts shared by GPT and BERT: self-attention, MLP, and a pre- or post-LN block.
+
+q, k and v are separate Linear layers (not one fused projection), so that splitting their output
+features over devices hands each device whole heads (Megatron column parallel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SelfAttention", "MLP", "Block"]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, causal: bool = True, bias: bool = True):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
+        self.n_head, self.dropout, self.causal = n_head, dropout, causal
+        self.q = nn.Linear(n_embd, n_embd, bias=bias)
+        # no key bias: it shifts every score of a query by the same amount, which softmax ignores, so its
+        # gradient is zero and an optimizer that normalizes gradients (Adam) would only chase rounding noise
+        self.k = nn.Linear(n_embd, n_embd, bias=False)
+        self.v = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (lin(x).view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.up = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.down = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Attention then MLP, each with a residual; LayerNorm before each (pre-LN, GPT-2) or after (post-LN, BERT)."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, causal: bool = True, pre_ln: bool = True):
+        super().__init__()
+        self.pre_ln = pre_ln
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = SelfAttention(n_embd, n_head, dropout, causal)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_ln:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        x = self.ln1(x + self.attn(x))
+        return self.ln2(x + self.mlp(x))
+
+
+def megatron_block(prefix: str, col, row) -> dict:
+    """The Megatron layout of ``Block`` parameters under ``prefix`` (e.g. "blocks.*"): q, k, v and the
+    MLP's up projection column-parallel (``col``: out features split, so each device holds whole heads),
+    the attention output and the MLP's down projection row-parallel (``row``: in features split, the
+    output a partial sum reduced once per sub-block; their bias stays Broadcast)."""
+    return {
+        f"{prefix}.attn.[qkv].*": col,
+        f"{prefix}.mlp.up.*": col,
+        f"{prefix}.attn.proj.weight": row,
+        f"{prefix}.mlp.down.weight": row,
+    }

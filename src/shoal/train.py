@@ -1,0 +1,373 @@
+"""The training loop behind ``shoal train`` and ``make demo``: a bundled model, its data, a plan.
+
+``TrainConfig`` says what to train and how it is laid out; ``train(cfg)`` builds the model (plain
+torch, seeded), its data and optimizer, lays the model out with its plan, trains, and writes
+``loss.png`` and ``losses.json`` into a run directory. ``Result`` holds what came out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .data import CharData, Stripes
+from .dispatch import coverage
+from .mesh import Mesh
+from .models import bert, gpt, kinds, resnet
+from .parallel import Plan, distribute_module, memory_per_device, shard_optimizer_state
+from .tensor import GlobalTensor
+from .world import init, is_initialized, world
+
+__all__ = ["TrainConfig", "Result", "train", "check", "build", "gather", "MODELS", "PLANS", "OPTIMIZERS"]
+
+
+class Bundled(NamedTuple):
+    model: type[nn.Module]
+    config: type
+    plans: Callable  # (mesh, kind) -> Plan
+
+
+MODELS = {
+    "gpt": Bundled(gpt.GPT, gpt.GPTConfig, gpt.plans),
+    "bert": Bundled(bert.BERT, bert.BERTConfig, bert.plans),
+    "resnet": Bundled(resnet.ResNet, resnet.ResNetConfig, resnet.plans),
+}
+PLANS = (*kinds.KINDS, "none")  # none: plain torch on one device, the reference
+OPTIMIZERS = ("adamw", "sgd")
+DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.05}
+
+
+@dataclass
+class TrainConfig:
+    model: str = "gpt"  # gpt | bert | resnet
+    plan: str = "dp"  # dp | tp | dp,tp | zero | none
+    devices: int = 4
+    mesh: tuple[int, ...] | None = None  # default (devices,), and (2, devices // 2) for dp,tp
+    steps: int = 100
+    stop_after: int | None = None  # end after this many steps; the lr schedule still spans ``steps``
+    batch: int = 16
+    lr: float | None = None  # peak learning rate; default DEFAULT_LR[optimizer]
+    warmup: int | None = None  # steps of linear warmup before the cosine decay to lr/10; default steps // 10
+    optimizer: str = "adamw"  # adamw | sgd (momentum 0.9)
+    seed: int = 0
+    threads: int | None = None  # torch CPU threads; None leaves torch's choice
+    every: int = 10  # print the loss every N steps (0: never)
+    out: str | None = None  # run directory; default runs/<model>-<plan>-<time>/
+    save: bool = True  # write loss.png and losses.json
+    model_args: dict = field(default_factory=dict)  # model config overrides, e.g. {"n_layer": 2}
+    sample: int = 300  # GPT: characters generated at the end (0: none)
+    progress: bool = True  # a tqdm progress bar
+    verbose: bool = True  # print the plan, the loss every ``every`` steps and a summary
+
+
+@dataclass
+class Result:
+    losses: list[float]
+    val_loss: float
+    seconds: float
+    params: int
+    memory: dict[int, int]  # bytes per device: parameters, gradients, buffers, optimizer state
+    fallback: dict[str, int]  # ops that ran replicated through the fallback, with call counts
+    sample: str
+    run_dir: Path | None
+
+
+def mesh_shape(cfg: TrainConfig) -> tuple[int, ...]:
+    if cfg.mesh is not None:
+        return tuple(cfg.mesh)
+    if cfg.plan == "dp,tp":
+        if cfg.devices < 4 or cfg.devices % 2:
+            raise ValueError(f"plan 'dp,tp' needs a 2-D mesh: give --mesh, e.g. 2x{max(cfg.devices // 2, 1)}")
+        return (2, cfg.devices // 2)
+    return (cfg.devices,)
+
+
+def check(cfg: TrainConfig) -> None:
+    """Raise ValueError, saying what to change, if ``cfg`` cannot run."""
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODELS)}")
+    if cfg.plan not in PLANS:
+        raise ValueError(f"unknown plan {cfg.plan!r}; choose one of {', '.join(PLANS)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    for name in ("devices", "steps", "batch"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.warmup is not None and cfg.warmup < 0:
+        raise ValueError(f"warmup must not be negative, got {cfg.warmup}")
+    with torch.device("meta"):  # the model checks its config (e.g. heads dividing the width); nothing allocated
+        MODELS[cfg.model].model(_model_config(cfg))
+    if cfg.plan == "none":
+        return
+    shape = mesh_shape(cfg)
+    if any(n < 1 for n in shape) or math.prod(shape) != cfg.devices:
+        raise ValueError(
+            f"mesh {'x'.join(map(str, shape))} has {math.prod(shape)} devices but devices is {cfg.devices}; "
+            f"make them agree (e.g. --devices {math.prod(shape)})"
+        )
+    ax = kinds.axes(shape, cfg.plan)
+    if ax.dp is not None and cfg.batch < shape[ax.dp]:
+        raise ValueError(f"batch {cfg.batch} is smaller than the {shape[ax.dp]} data-parallel devices")
+
+
+def _model_config(cfg: TrainConfig, **decided):
+    """The model's config: its defaults, what the data decides (``decided``), then ``cfg.model_args``
+    (strings, e.g. from the command line, are converted to the type of the field's default)."""
+    cls = MODELS[cfg.model].config
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = dict(decided)
+    for k, v in cfg.model_args.items():
+        if k not in fields:
+            raise ValueError(f"{cls.__name__} has no field {k!r}; its fields are {', '.join(fields)}")
+        values[k] = _convert(v, fields[k].default, k) if isinstance(v, str) else v
+    return cls(**values)
+
+
+def _convert(text: str, default, name: str):
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if isinstance(default, tuple):
+            return tuple(int(x) for x in text.split(","))
+        return type(default)(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a value like {default!r}") from None
+
+
+Batches = Callable[[str, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+
+
+def build(cfg: TrainConfig) -> tuple[nn.Module, Batches, object]:
+    """The model (plain single-device torch, initialised from ``cfg.seed``), a function
+    (split, generator) -> (inputs, targets), and the dataset."""
+    if cfg.model == "resnet":
+        mcfg = _model_config(cfg)
+        data = Stripes(classes=mcfg.num_classes, channels=mcfg.in_channels)
+        batches = lambda split, gen: data.batch(cfg.batch, gen)
+    else:
+        data = CharData()
+        vocab = data.vocab_size + (cfg.model == "bert")  # BERT: + [MASK]
+        mcfg = _model_config(cfg, vocab_size=vocab)
+        if mcfg.vocab_size < vocab:
+            raise ValueError(f"vocab_size {mcfg.vocab_size} is smaller than the data's {vocab} tokens")
+        get = data.batch if cfg.model == "gpt" else data.masked_batch
+        batches = lambda split, gen: get(split, cfg.batch, mcfg.block_size, gen)
+    torch.manual_seed(cfg.seed)
+    model = MODELS[cfg.model].model(mcfg)
+    return model, batches, data
+
+
+def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+    lr = cfg.lr if cfg.lr is not None else DEFAULT_LR[cfg.optimizer]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99))
+
+
+def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
+    """The schedule, as a factor of the peak lr: linear warmup, then cosine decay to a tenth."""
+    warm = cfg.warmup if cfg.warmup is not None else cfg.steps // 10
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        done = (step - warm) / max(cfg.steps - warm, 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
+
+    return factor
+
+
+def gather(model: nn.Module) -> nn.Module:
+    """A plain single-device copy of a laid-out bundled model (every GlobalTensor gathered)."""
+    plain = type(model)(model.cfg)
+    with torch.no_grad():
+        state = {k: v.full() if isinstance(v, GlobalTensor) else v for k, v in model.state_dict().items()}
+    plain.load_state_dict(state)
+    return plain
+
+
+def train(cfg: TrainConfig) -> Result:
+    check(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model, batches, data = build(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    shape = None if cfg.plan == "none" else mesh_shape(cfg)
+    mesh, plan = None, None
+    if shape is not None:
+        if not is_initialized() or world().size != cfg.devices:
+            init(devices=cfg.devices)
+        names = ("dp", "tp") if len(shape) == 2 else ("tp",) if cfg.plan == "tp" else ("dp",)
+        ids = torch.arange(cfg.devices).reshape(shape).tolist()
+        mesh = Mesh(ids, axes=names)
+        plan = MODELS[cfg.model].plans(mesh, cfg.plan)
+        distribute_module(model, mesh, plan)
+    opt = make_optimizer(cfg, model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+    if cfg.plan == "zero":
+        shard_optimizer_state(opt, mesh, "dp")
+    if cfg.verbose:
+        _print_header(cfg, model, params, shape, plan)
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses: list[float] = []
+    coverage(reset=True)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        # each fallback op warns once; the summary at the end lists them all
+        warnings.filterwarnings("ignore", message="shoal: no SBP rule")
+        n = cfg.steps if cfg.stop_after is None else min(cfg.stop_after, cfg.steps)
+        # disable=None: no bar when the output is not a terminal (logs, CI)
+        bar = tqdm(range(n), desc=f"{cfg.model} {cfg.plan}", unit="step", disable=None if cfg.progress else True)
+        for step in bar:
+            model.train()
+            x, y = batches("train", gen)
+            _, loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            schedule.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if cfg.verbose and cfg.every and (step % cfg.every == 0 or step == n - 1):
+                tqdm.write(f"step {step:>5}  loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.1f}s)")
+        bar.close()
+        seconds = time.perf_counter() - t0
+        val_loss = _validate(model, batches, cfg.seed)
+    cov = coverage()
+    memory = memory_per_device(model, opt)
+    sample = _sample(model, data, cfg) if cfg.model == "gpt" and cfg.sample > 0 else ""
+    result = Result(
+        losses, val_loss, seconds, params, memory, {str(k): v for k, v in cov.by_fallback.items()}, sample, None
+    )
+    if cfg.verbose:
+        _print_summary(cfg, result, cov)
+    if cfg.save:
+        result.run_dir = _save(cfg, result, shape)
+        if cfg.verbose:
+            print(f"wrote {result.run_dir / 'loss.png'} and {result.run_dir / 'losses.json'}")
+    return result
+
+
+@torch.no_grad()
+def _validate(model: nn.Module, batches: Batches, seed: int) -> float:
+    """The loss on one held-out batch, in eval mode (BatchNorm uses its running statistics)."""
+    model.eval()
+    x, y = batches("val", torch.Generator().manual_seed(seed + 10_000))
+    return model(x, y)[1].item()
+
+
+def _sample(model: nn.Module, data: CharData, cfg: TrainConfig) -> str:
+    """GPT text continuing a prompt, sampled (temperature 0.8, seeded) on a gathered single-device copy."""
+    plain = gather(model).eval()
+    prompt = data.encode("def ")[None]
+    out = plain.generate(prompt, cfg.sample, temperature=0.8, generator=torch.Generator().manual_seed(cfg.seed))
+    return data.decode(out[0])
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: Plan | None) -> None:
+    mcfg = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(model.cfg).items())
+    lr = cfg.lr if cfg.lr is not None else DEFAULT_LR[cfg.optimizer]
+    warm = cfg.warmup if cfg.warmup is not None else cfg.steps // 10
+    if shape is None:
+        where = "plain torch on one device"
+    else:
+        where = f"plan {cfg.plan} on mesh {'x'.join(map(str, shape))} ({cfg.devices} virtual devices)"
+    print(f"shoal train: {cfg.model} ({params / 1e6:.2f}M parameters; {mcfg})")
+    print(f"  {where}; batch {cfg.batch}, {cfg.steps} steps, seed {cfg.seed}, {torch.get_num_threads()} thread(s)")
+    print(f"  {cfg.optimizer}, lr {lr:g} after {warm} warmup steps, cosine decay to {lr / 10:g}")
+    if plan is not None:
+        what = "(images, labels)" if cfg.model == "resnet" else "(token ids, targets)"
+        for pat, sbp in plan.params.items():
+            print(f"  param  {pat:<28} {_sbp(sbp)}")
+        print(f"  input  {what:<28} {_sbp(plan.inputs[''])}")
+        if cfg.plan == "zero":
+            print("  optimizer state split over dp (ZeRO)")
+
+
+def _sbp(layout) -> str:
+    return "(" + ", ".join(map(repr, layout)) + ")" if isinstance(layout, tuple) else repr(layout)
+
+
+def _print_summary(cfg: TrainConfig, r: Result, cov) -> None:
+    n = len(r.losses)
+    tail = r.losses[-min(10, n) :]
+    print(
+        f"loss: first {r.losses[0]:.4f}, last {r.losses[-1]:.4f} (mean of the last {len(tail)}: "
+        f"{sum(tail) / len(tail):.4f}); held-out {r.val_loss:.4f}; {r.seconds:.1f}s, {r.seconds / n:.2f}s/step"
+    )
+    if r.memory:
+        mem = ", ".join(f"{d}: {_fmt_bytes(b)}" for d, b in sorted(r.memory.items()))
+        print(f"memory per device (parameters, gradients, buffers, optimizer state): {mem}")
+    if cfg.plan != "none":
+        calls = sum(r.fallback.values())
+        print(
+            f"fallback ops: {len(r.fallback)} op(s), {calls} call(s) replicated "
+            f"({len(cov.by_rule)} op(s) by rule, {len(cov.by_decomposition)} by decomposition)"
+        )
+        for op, k in sorted(r.fallback.items(), key=lambda kv: -kv[1]):
+            print(f"  fallback  {op}  x{k}")
+    if r.sample:
+        print("sample:\n" + r.sample)
+
+
+def _save(cfg: TrainConfig, r: Result, shape) -> Path:
+    name = f"{cfg.model}-{cfg.plan.replace(',', '+')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    d = Path(cfg.out) if cfg.out else Path("runs") / name
+    d.mkdir(parents=True, exist_ok=True)
+    record = {
+        "config": {**dataclasses.asdict(cfg), "mesh": shape},
+        "params": r.params,
+        "losses": r.losses,
+        "val_loss": r.val_loss,
+        "seconds": r.seconds,
+        "memory_per_device": {str(k): v for k, v in sorted(r.memory.items())},
+        "fallback_ops": r.fallback,
+        "sample": r.sample,
+    }
+    (d / "losses.json").write_text(json.dumps(record, indent=1))
+    where = "one device" if shape is None else f"{'x'.join(map(str, shape))} mesh"
+    _plot(r.losses, d / "loss.png", f"{cfg.model}, plan {cfg.plan}, {where}")
+    return d
+
+
+def _plot(losses: list[float], path: Path, title: str) -> None:
+    # the Agg canvas directly: no pyplot, no global backend state
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = range(len(losses))
+    ax.plot(steps, losses, lw=1, alpha=0.45, label="loss")
+    w = max(len(losses) // 20, 1)
+    if w > 1:
+        avg = [sum(losses[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1)) for i in steps]
+        ax.plot(steps, avg, lw=2, label=f"mean of {w}")
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

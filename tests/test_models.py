@@ -1,0 +1,255 @@
+"""The bundled models train under every plan exactly as on one device; ``shoal train`` runs them.
+
+Each model is trained 5 steps on one device (the oracle) and, from the same initial weights, laid
+out by its plan on 4 virtual devices: losses at every step, final parameters and buffers
+(BatchNorm running statistics included) must agree.
+"""
+
+import json
+import subprocess
+import sys
+from functools import cache
+
+import pytest
+import torch
+
+import shoal
+from shoal.cli import main
+from shoal.data import CharData, Stripes
+from shoal.models import KINDS, bert, gpt, resnet
+from shoal.testing import assert_same_value
+from shoal.train import gather
+
+STEPS, BATCH = 5, 6  # 6 rows over 4 devices: an uneven split (2, 2, 1, 1)
+
+MODELS = {
+    "gpt": (gpt, lambda: gpt.GPT(gpt.GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=32))),
+    "bert": (bert, lambda: bert.BERT(bert.BERTConfig(vocab_size=15, block_size=8, n_layer=2, n_head=4, n_embd=32))),
+    "resnet": (resnet, lambda: resnet.ResNet(resnet.ResNetConfig(num_classes=5, width=8, blocks=(1, 1, 1)))),
+}
+MESHES = {"dp": ((4,), ("dp",)), "tp": ((4,), ("tp",)), "dp,tp": ((2, 2), ("dp", "tp")), "zero": ((4,), ("dp",))}
+# Adam divides each gradient by its own running size, so where a gradient is tiny and mostly
+# cancellation (attention keys at initialisation: up to 1e-3 relative error in fp32 against fp64 on one
+# device) rounding differences reach the update at full size, about lr x 1e-3 per step. Hence a
+# transformer-sized lr for AdamW and an absolute tolerance of 5e-6 on the parameters.
+PARAM_ATOL = 5e-6
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+}
+
+
+def batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        if name == "gpt":
+            out.append((torch.randint(13, (BATCH, 8), generator=g), torch.randint(13, (BATCH, 8), generator=g)))
+        elif name == "bert":
+            x = torch.randint(15, (BATCH, 8), generator=g)
+            y = torch.where(torch.rand(BATCH, 8, generator=g) < 0.3, torch.randint(14, (BATCH, 8), generator=g), -100)
+            y[0, 0] = 3
+            out.append((x, y))
+        else:
+            out.append(Stripes(classes=5, size=8).batch(BATCH, g))
+    return out
+
+
+def mesh_for(kind: str) -> shoal.Mesh:
+    shape, axes = MESHES[kind]
+    return shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
+
+
+def fit(model, opt, data) -> list[float]:
+    losses = []
+    for x, y in data:
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def initial(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name][1]()
+
+
+@cache
+def reference(name: str, opt_name: str):
+    """Single-device torch: the losses and the final state (parameters and buffers)."""
+    model = initial(name)
+    losses = fit(model, OPTIMIZERS[opt_name](model.parameters()), batches(name))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def distributed(name: str, kind: str, opt_name: str):
+    module, _ = MODELS[name]
+    mesh = mesh_for(kind)
+    model = shoal.distribute_module(initial(name), mesh, module.plans(mesh, kind))
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    if kind == "zero":
+        shoal.shard_optimizer_state(opt, mesh, "dp")
+    return model, opt
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_trains_like_one_device(name, kind, opt_name):
+    ref_losses, ref_state = reference(name, opt_name)
+    model, opt = distributed(name, kind, opt_name)
+    losses = fit(model, opt, batches(name))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    plain_grads = [n for n, p in model.named_parameters() if not isinstance(p.grad, shoal.GlobalTensor)]
+    assert not plain_grads, f"gradients that are not GlobalTensors: {plain_grads}"
+    state = model.state_dict()
+    assert state.keys() == ref_state.keys()
+    for k, v in state.items():
+        assert isinstance(v, shoal.GlobalTensor), k
+        assert_same_value(v.detach(), ref_state[k], f"{name} {kind} {opt_name}: {k}", rtol=1e-5, atol=PARAM_ATOL)
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_zero_splits_optimizer_state(opt_name):
+    """ZeRO: after training, every optimizer state tensor with a dim of at least 4 is split over dp,
+    so each device holds about a quarter of it."""
+    model, opt = distributed("gpt", "zero", opt_name)
+    fit(model, opt, batches("gpt")[:2])
+    names = {p: n for n, p in model.named_parameters()}
+    whole = {
+        f"{names[p]}.{k}": v.sbp
+        for p, st in opt.state.items()
+        for k, v in st.items()
+        if isinstance(v, shoal.GlobalTensor)
+        and max(v.shape, default=0) >= 4
+        and not any(isinstance(s, shoal.Split) for s in v.sbp)
+    }
+    assert not whole, f"optimizer state not split over dp: {whole}"
+
+
+def test_tp_plans_split_what_they_say():
+    mesh = mesh_for("dp,tp")
+    m = shoal.distribute_module(initial("gpt"), mesh, gpt.plans(mesh, "dp,tp"))
+    sbp = {n: p.sbp for n, p in m.named_parameters()}
+    B, S = shoal.B, shoal.S
+    assert sbp["blocks.0.attn.q.weight"] == sbp["blocks.1.mlp.up.bias"] == (B, S(0))
+    assert sbp["blocks.0.attn.proj.weight"] == sbp["blocks.0.mlp.down.weight"] == (B, S(1))
+    assert sbp["blocks.0.attn.proj.bias"] == sbp["ln_f.weight"] == sbp["pos_emb.weight"] == (B, B)
+    assert sbp["tok_emb.weight"] == sbp["lm_head.weight"] == (B, S(0))
+    r = shoal.distribute_module(initial("resnet"), mesh, resnet.plans(mesh, "dp,tp"))
+    assert r.stages[1][0].conv1.weight.sbp == r.stages[1][0].bn1.running_var.sbp == (B, S(0))
+    assert r.stages[1][0].conv2.weight.sbp == (B, S(1))
+
+
+def test_plans_need_the_right_mesh():
+    with pytest.raises(ValueError, match="needs a 2-D mesh"):
+        gpt.plans(mesh_for("dp"), "dp,tp")
+    with pytest.raises(ValueError, match="needs a 1-D mesh"):
+        bert.plans(mesh_for("dp,tp"), "tp")
+    with pytest.raises(ValueError, match="unknown plan"):
+        resnet.plans(mesh_for("dp"), "pp")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_no_fallback_ops(name):
+    """Every op of a training step under every plan has an SBP rule (or decomposes into ruled ops)."""
+    module, _ = MODELS[name]
+    shoal.coverage(reset=True)
+    for kind in KINDS:
+        for opt_name in OPTIMIZERS:
+            model, opt = distributed(name, kind, opt_name)
+            fit(model, opt, batches(name)[:2])
+    fallback = shoal.coverage().by_fallback
+    assert not fallback, f"{name}: ops that ran replicated through the fallback: {dict(fallback)}"
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def test_char_data_is_deterministic_and_round_trips():
+    a, b = CharData(max_bytes=20_000), CharData(max_bytes=20_000)
+    assert a.chars == b.chars and torch.equal(a.train, b.train) and len(a.train) + len(a.val) == 20_000
+    assert a.decode(a.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+    x, y = a.batch("train", 3, 10, torch.Generator().manual_seed(0))
+    x2, _ = b.batch("train", 3, 10, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (3, 10) and torch.equal(x, x2) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_masked_batch():
+    d = CharData(max_bytes=20_000)
+    x, y = d.masked_batch("val", 64, 32, torch.Generator().manual_seed(0))
+    picked = y != bert.IGNORE
+    assert 0.1 < picked.float().mean() < 0.2  # about 15%
+    assert (x[picked] == d.mask_id).float().mean() > 0.6  # mostly [MASK], some random or kept
+    assert not (x[~picked] == d.mask_id).any() and (y[picked] < d.vocab_size).all()
+
+
+def test_stripes():
+    s = Stripes(classes=4, size=8)
+    x, y = s.batch(5, torch.Generator().manual_seed(0))
+    x2, y2 = s.batch(5, torch.Generator().manual_seed(0))
+    assert x.shape == (5, 3, 8, 8) and x.dtype == torch.float32 and y.shape == (5,)
+    assert torch.equal(x, x2) and torch.equal(y, y2) and y.min() >= 0 and y.max() < 4
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--devices", "8", "--mesh", "2x2"], "has 4 devices but devices is 8"),
+        (["--plan", "dp,tp", "--mesh", "4"], "needs a 2-D mesh"),
+        (["--plan", "tp", "--mesh", "2x2"], "needs a 1-D mesh"),
+        (["--plan", "dp,tp", "--devices", "3"], "needs a 2-D mesh"),
+        (["--set", "n_layers=2"], "has no field 'n_layers'"),
+        (["--set", "n_layer=two"], "expected a value like 4"),
+        (["--set", "n_head=3"], "not a multiple of n_head 3"),
+        (["--batch", "2"], "smaller than the 4 data-parallel devices"),
+    ],
+)
+def test_cli_errors(argv, message, capsys):
+    assert main(["train", "gpt", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "gpt", "--mesh", "2y2"])
+    assert e.value.code == 2 and "expected sizes joined by 'x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "vgg"])
+
+
+def test_cli_trains_and_writes_a_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "gpt", "--plan", "dp,tp", "--mesh", "2x2", "--steps", "3", "--batch", "4", "--out", str(out)]
+    tiny = ["--set", "n_layer=1", "--set", "n_embd=32", "--set", "block_size=16", "--sample", "20", "--no-progress"]
+    assert main(argv + tiny) == 0
+    text = capsys.readouterr().out
+    assert "fallback ops:" in text and "memory per device" in text and "sample:" in text
+    record = json.loads((out / "losses.json").read_text())
+    assert len(record["losses"]) == 3 and record["config"]["mesh"] == [2, 2]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_python_dash_m_shoal():
+    r = subprocess.run(
+        [sys.executable, "-m", "shoal", "train", "resnet", "--plan", "tp", "--mesh", "2x2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "plan 'tp' needs a 1-D mesh" in r.stderr
+
+
+def test_gather_gives_a_plain_copy():
+    """``gather`` (used for sampling) turns a laid-out model back into a plain one with the same values."""
+    mesh = mesh_for("tp")
+    m = shoal.distribute_module(initial("gpt"), mesh, gpt.plans(mesh, "tp"))
+    plain = gather(m)
+    for (k, v), w in zip(plain.state_dict().items(), initial("gpt").state_dict().values()):
+        assert not isinstance(v, shoal.GlobalTensor)
+        torch.testing.assert_close(v, w, msg=k)
