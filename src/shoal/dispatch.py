@@ -247,6 +247,35 @@ def _decomposition(func):
     return fn
 
 
+def _decomposition_agrees(func, targs, tkwargs, tensors) -> bool:
+    """torch's decomposition may return outputs the real op does not (the CPU flash attention one
+    returns the attention weights where the kernel returns the logsumexp its backward reads). Use a
+    decomposition only if, on meta tensors, its outputs have the kernel's shapes and dtypes (or the
+    kernel has no meta implementation to compare with)."""
+    metas = [_meta(t) for t in tensors]
+    margs, mkwargs = _fill_args(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
+    try:
+        want = func(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel: nothing to compare with
+        return True
+    try:
+        _DECOMPOSING.add(func)
+        got = _decomposition(func)(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - the decomposition cannot even run on meta: don't trust it
+        return False
+    finally:
+        _DECOMPOSING.discard(func)
+
+    def sig(o):
+        if isinstance(o, torch.Tensor):
+            return (tuple(o.shape), o.dtype)
+        if isinstance(o, (list, tuple)):
+            return tuple(sig(e) for e in o)
+        return type(o)
+
+    return sig(want) == sig(got)
+
+
 def _retemplate(args: tuple) -> tuple[tuple, dict]:
     found: list = []
     return tuple(_template(a, found, []) for a in args), {}
@@ -404,7 +433,7 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
     if prep.call is None:
         if rule is not None and rule.kind == "value":
             return _other_decision(func, mesh, in_specs0, prep.mutated, "value")
-        if decomposable:
+        if decomposable and _decomposition_agrees(func, targs, tkwargs, tensors):
             return _other_decision(func, mesh, in_specs0, prep.mutated, "decompose")
         return _other_decision(func, mesh, in_specs0, prep.mutated, "fallback")
     can_decompose = rule.decomposition is not None or decomposable

@@ -53,7 +53,10 @@ def distribute_module(module: nn.Module, mesh: Mesh, plan: Plan | Mapping[str, L
                 g = value.to_global(mesh, sbp)
             else:
                 g = to_global(value, mesh, sbp)
-            setattr(mod, pname, nn.Parameter(g, requires_grad=p.requires_grad))
+            param = nn.Parameter(g, requires_grad=p.requires_grad)
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(_keep_grad_global)
+            setattr(mod, pname, param)
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is None:
                 continue
@@ -74,6 +77,14 @@ def distribute_module(module: nn.Module, mesh: Mesh, plan: Plan | Mapping[str, L
     for name, layout in plan.outputs.items():
         _sub(modules, name, "outputs").register_forward_hook(_output_hook(mesh, layout, f"outputs of {name!r}"))
     return module
+
+
+def _keep_grad_global(p: GlobalTensor) -> None:
+    """Autograd copies a gradient whose strides differ from its parameter's into a new plain tensor
+    (correct values, but full size on every device and outside shoal): lay it out like ``p`` again."""
+    g = p.grad
+    if g is not None and not isinstance(g, GlobalTensor):
+        p.grad = to_global(g, p.mesh, tuple(Broadcast() if isinstance(s, Partial) else s for s in p.sbp))
 
 
 def _pick(name: str, patterns: Mapping[str, Layout], used: set, default: Layout) -> Layout:
