@@ -1,11 +1,13 @@
 """Multi-process runs under `shoal run` (torchrun, gloo): the same results as one process."""
 
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent / "multiproc"
 
@@ -43,3 +45,21 @@ def test_debug_mode_reports_diverging_processes(monkeypatch):
     assert code != 0 and "NOT DETECTED" not in out
     assert "the processes diverged at op" in out and "plain" in out, out[-3000:]
     assert elapsed < 60
+
+
+@pytest.mark.multiprocess
+def test_shoal_train_gpt_under_shoal_run_matches_one_process(tmp_path):
+    tiny = ["--set", "n_layer=1", "--set", "n_embd=32", "--set", "n_head=2", "--set", "block_size=16"]
+    args = ["train", "gpt", "--devices", "2", "--plan", "dp", "--steps", "3", "--batch", "4", "--sample", "0",
+            "--threads", "1", "--no-progress", *tiny]
+    one = subprocess.run([sys.executable, "-m", "shoal", *args, "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "shoal", "run", "-n", "2", "-m", "shoal", *args,
+                          "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    a = json.loads((tmp_path / "one" / "losses.json").read_text())
+    b = json.loads((tmp_path / "two" / "losses.json").read_text())
+    la, lb = (x["losses"] if isinstance(x, dict) else x for x in (a, b))
+    assert len(la) == 3
+    torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)

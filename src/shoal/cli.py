@@ -7,6 +7,8 @@ model on data made in code, laid out by the model's plan; see ``shoal train --he
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 
 from . import train as training
@@ -74,10 +76,20 @@ def parser() -> argparse.ArgumentParser:
         help="override a model config field, e.g. --set n_layer=2 --set n_embd=64 (repeatable)",
     )
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    sub.add_parser(
+        "run",
+        help="run a script on P processes (torchrun): shoal run -n P [--devices-per-process K] script.py ...",
+        add_help=False,
+    )
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "run":  # shoal run -n P [--devices-per-process K] script.py args...
+        from .launch import main as run
+
+        return run(argv[1:])
     ap = parser()
     args = ap.parse_args(argv)
     if args.command is None:
@@ -101,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         sample=args.sample,
         progress=args.progress,
     )
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:  # under shoal run / torchrun: rank 0 reports and writes the run directory
+        cfg = dataclasses.replace(cfg, progress=False, save=False)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of this process
     try:
         training.check(cfg)
     except ValueError as e:

@@ -25,7 +25,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-process", type=int, default=1, help="devices each process owns (default 1)")
     for opt in _PASS:
         p.add_argument(opt, type=str, default=None)
-    p.add_argument("script", help="the Python script to run, or -m module")
+    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
+    p.add_argument("script", help="the Python script (or, with -m, module) to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
 
@@ -41,6 +42,8 @@ def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
             cmd.append(f"{opt}={v}")
     if a.nnodes is None and a.rdzv_endpoint is None and a.master_port is None:
         cmd.append("--standalone")
+    if a.module:
+        cmd.append("--module")
     cmd += [a.script, *a.args]
     env = dict(os.environ, SHOAL_DEVICES_PER_PROCESS=str(a.devices_per_process))
     env.setdefault("OMP_NUM_THREADS", "1")
