@@ -82,3 +82,21 @@ def test_plan_errors():
         shoal.distribute_module(make_mlp(), mesh, shoal.Plan(params={"0.bias": S(1)}))
     with pytest.raises(ValueError, match="does not exist"):
         shoal.distribute_module(make_mlp(), mesh, shoal.Plan(inputs={"9": S(0)}))
+
+
+def test_data_parallel_gradients_are_reduced_in_one_bucket():
+    """Four Partial gradients, one all_reduce at the end of backward, none in the optimizer step."""
+    mesh = _mesh((4,))
+    ref = make_mlp()
+    ((ref(X) - Y) ** 2).mean().backward()
+    m = shoal.distribute_module(make_mlp(), mesh, shoal.data_parallel(mesh))
+    with shoal.CommCounter() as cc:
+        ((m(X) - Y) ** 2).mean().backward()
+    assert cc.counts["all_reduce"] <= 2, cc  # the bucket, and the scalar loss's backward at most
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert p.grad.sbp == (B,)
+        assert_same_value(p.grad, q.grad, "grad")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with shoal.CommCounter() as cc:
+        opt.step()
+    assert cc.total == 0, cc

@@ -67,15 +67,23 @@ def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     return acc
 
 
-def all_reduce(devices: Sequence[int], shards: Shards, op: str = "sum") -> list:
+def _reduce_group(devices: Sequence[int], shards: Shards, op: str) -> torch.Tensor | None:
+    """The group's reduction on this process (None if it owns no device of the group)."""
     local = [s for s in shards if s is not None]
     if not local:
-        return list(shards)
+        return None
     total = _reduce(_home(local), op)
     if not _all_local(shards):
         if total is local[0]:
             total = total.clone()  # the collective writes in place
         _dist.all_reduce(total, op, _ranks(devices))
+    return total
+
+
+def all_reduce(devices: Sequence[int], shards: Shards, op: str = "sum") -> list:
+    total = _reduce_group(devices, shards, op)
+    if total is None:
+        return list(shards)
     record("all_reduce", _nbytes(total))
     return _place(total, devices, shards)
 
@@ -112,14 +120,9 @@ def _scatter(full: torch.Tensor, devices: Sequence[int], dim: int, shards: Shard
 
 
 def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "sum") -> list:
-    local = [s for s in shards if s is not None]
-    if not local:
+    total = _reduce_group(devices, shards, op)
+    if total is None:
         return list(shards)
-    total = _reduce(_home(local), op)
-    if not _all_local(shards):
-        if total is local[0]:
-            total = total.clone()
-        _dist.all_reduce(total, op, _ranks(devices))
     record("reduce_scatter", _nbytes(total))
     return _scatter(total, devices, dim, shards)
 

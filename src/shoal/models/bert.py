@@ -16,7 +16,7 @@ from ..mesh import Mesh
 from ..parallel import Plan
 from ..sbp import S
 from . import kinds
-from .layers import Block, megatron_block
+from .layers import Block, init_weights, megatron_block
 
 __all__ = ["BERTConfig", "BERT", "plans", "IGNORE"]
 
@@ -48,14 +48,7 @@ class BERT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd) if cfg.pre_ln else nn.Identity()
         self.head = nn.Sequential(nn.Linear(cfg.n_embd, cfg.n_embd), nn.GELU(), nn.LayerNorm(cfg.n_embd))
         self.decoder = nn.Linear(cfg.n_embd, cfg.vocab_size)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (B, T, vocab) for token ids (B, T); with ``targets`` (the original token at masked

@@ -17,7 +17,7 @@ from ..mesh import Mesh
 from ..parallel import Plan
 from ..sbp import S
 from . import kinds
-from .layers import Block, megatron_block
+from .layers import Block, init_weights, megatron_block
 
 __all__ = ["GPTConfig", "GPT", "plans"]
 
@@ -42,17 +42,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg.n_embd, cfg.n_head, cfg.dropout, causal=True) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # not tied: plans lay it out on its own
-        self.apply(self._init)
+        self.apply(init_weights)
         for blk in self.blocks:  # GPT-2: scale the residual projections by depth
             for lin in (blk.attn.proj, blk.mlp.down):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (B, T, vocab) for token ids (B, T), and the next-token cross entropy if ``targets`` given."""

@@ -76,3 +76,11 @@ def megatron_block(prefix: str, col, row) -> dict:
         f"{prefix}.attn.proj.weight": row,
         f"{prefix}.mlp.down.weight": row,
     }
+
+
+def init_weights(m: nn.Module) -> None:
+    """GPT-2 style: normal(0.02) weights for Linear and Embedding, zero biases."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)

@@ -17,6 +17,7 @@ from torch import nn
 from ..mesh import Mesh
 from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp
 from ..tensor import GlobalTensor, to_global
+from .reducer import GradReducer
 
 __all__ = ["Plan", "distribute_module", "shard_optimizer_state", "memory_per_device", "data_parallel"]
 
@@ -34,9 +35,18 @@ class Plan:
     outputs: Mapping[str, Layout | Sequence[Layout]] = field(default_factory=dict)
 
 
-def distribute_module(module: nn.Module, mesh: Mesh, plan: Plan | Mapping[str, Layout] | None = None) -> nn.Module:
+def distribute_module(
+    module: nn.Module,
+    mesh: Mesh,
+    plan: Plan | Mapping[str, Layout] | None = None,
+    *,
+    reduce_gradients: bool = True,
+) -> nn.Module:
     """Replace ``module``'s parameters and buffers by GlobalTensors laid out per ``plan``, in place,
-    and install the plan's input/output layouts as hooks. Returns ``module``."""
+    and install the plan's input/output layouts as hooks. With ``reduce_gradients`` (default),
+    gradients that are partial sums over an axis where their parameter is replicated (data
+    parallelism) are reduced together at the end of backward, one collective per layout, instead
+    of one by one when the optimizer reads them. Returns ``module``."""
     if plan is None:
         plan = Plan()
     elif not isinstance(plan, Plan):
@@ -65,6 +75,8 @@ def distribute_module(module: nn.Module, mesh: Mesh, plan: Plan | Mapping[str, L
             sbp = _fit(layout, mesh, b, full)
             g = b.to_global(mesh, sbp) if isinstance(b, GlobalTensor) else to_global(b, mesh, sbp)
             mod._buffers[bname] = g
+    if reduce_gradients:
+        module._shoal_reducer = GradReducer([p for p in module.parameters() if isinstance(p, GlobalTensor)])
     unused = [p for p in plan.params if p not in used]
     if unused:
         raise ValueError(
