@@ -12,9 +12,9 @@ import torch
 HERE = Path(__file__).parent / "multiproc"
 
 
-def shoal_run(nproc: int, per_process: int, script: str, timeout: float = 240):
+def shoal_run(nproc: int, per_process: int, script: str, timeout: float = 240, args=()):
     cmd = [sys.executable, "-m", "shoal.launch", "-n", str(nproc), "--devices-per-process", str(per_process),
-           str(HERE / script)]
+           str(HERE / script), *args]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
@@ -36,6 +36,15 @@ def test_a_failing_rank_stops_the_others_and_is_named():
     assert elapsed < 60, f"took {elapsed:.0f}s"
     assert "injected failure" in out
     assert "rank: 1" in out or "rank 1 failed" in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_stops_the_others_and_is_named():
+    code, out, elapsed = shoal_run(2, 1, "fail_worker.py", timeout=120, args=("kill",))
+    assert code != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    assert "rank      : 1" in out or "rank: 1" in out, out[-3000:]  # torchrun's root cause names it
+    assert "Signal 9" in out or "SIGKILL" in out or "-9" in out, out[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,9 @@
-"""Run under torchrun by tests/test_multiprocess.py: rank 1 raises in the middle of training."""
+"""Run under torchrun by tests/test_multiprocess.py: rank 1 raises (or, with argument ``kill``, is
+killed by SIGKILL) in the middle of training."""
+
+import os
+import signal
+import sys
 
 import torch
 
@@ -12,6 +17,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 x = torch.randn(16, 8)
 for step in range(100):
     if step == 3 and w.rank == 1:
+        if sys.argv[1:] == ["kill"]:
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("injected failure")
     loss = model(x).square().mean()
     opt.zero_grad()
