@@ -18,7 +18,16 @@ from ..world import world
 from . import dist as _dist
 from .counter import CommCounter, record
 
-__all__ = ["CommCounter", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "transfer", "broadcast_all"]
+__all__ = [
+    "CommCounter",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_start",
+    "reduce_scatter",
+    "all_to_all",
+    "transfer",
+    "broadcast_all",
+]
 
 Shards = Sequence[torch.Tensor | None]
 
@@ -86,6 +95,28 @@ def all_reduce(devices: Sequence[int], shards: Shards, op: str = "sum") -> list:
         return list(shards)
     record("all_reduce", _nbytes(total))
     return _place(total, devices, shards)
+
+
+def all_reduce_start(devices: Sequence[int], shards: Shards, op: str = "sum"):
+    """Start an all_reduce that runs while the caller goes on (across processes); returns a function
+    that waits for it and gives the group's new local tensors, as ``all_reduce`` does."""
+    local = [s for s in shards if s is not None]
+    if not local:
+        return lambda: list(shards)
+    total = _reduce(_home(local), op)
+    work = None
+    if not _all_local(shards):
+        if total is local[0]:
+            total = total.clone()
+        work = _dist.all_reduce_async(total, op, _ranks(devices))
+    record("all_reduce", _nbytes(total))
+
+    def finish() -> list:
+        if work is not None:
+            _dist.wait(work, "all_reduce", _ranks(devices))
+        return _place(total, devices, shards)
+
+    return finish
 
 
 def _gather_full(devices: Sequence[int], shards: Shards, dim: int, shapes) -> torch.Tensor:

@@ -124,6 +124,21 @@ def all_reduce(t: torch.Tensor, op: str, ranks: Sequence[int]) -> None:
         t.copy_(w.to(torch.bool))
 
 
+def all_reduce_async(t: torch.Tensor, op: str, ranks: Sequence[int]):
+    """Start an in-place all_reduce; returns its work handle (None if there is nothing to do)."""
+    if len(ranks) < 2:
+        return None
+    if t.dtype == torch.bool:  # no async path for the uint8 round trip
+        all_reduce(t, op, ranks)
+        return None
+    return _guarded("all_reduce", ranks, lambda: dist.all_reduce(t, op=_OPS[op], group=_group(ranks), async_op=True))
+
+
+def wait(work, what: str, ranks: Sequence[int]) -> None:
+    if work is not None:
+        _guarded(what, ranks, work.wait)
+
+
 def gather_along(full: torch.Tensor, shards, sizes: Sequence[int], dim: int, ranks: Sequence[int]) -> torch.Tensor:
     """Write this process's shards into their places of ``full`` (zeros) and sum over the ranks: every
     process gets the concatenation (an all-gather that tolerates any shard sizes and placements)."""

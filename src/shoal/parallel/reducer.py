@@ -1,11 +1,13 @@
-"""Bucketed gradient reduction: data-parallel gradients reduced in one collective per layout.
+"""Bucketed gradient reduction: data-parallel gradients reduced in buckets, overlapping backward.
 
 Under data parallelism gradients come out Partial(sum) over the data-parallel axis and would be
-all-reduced one by one when the optimizer first reads each of them. ``GradReducer`` waits for the
-end of backward, then reduces every such gradient of a module together: the local shards of all
-gradients that share a (mesh, layout) are flattened into one buffer and all-reduced along each
-axis where the gradient is Partial and its parameter Broadcast (an elementwise sum, so flattening
-is exact whatever the other axes do), then cut back. Other Partial axes are left to the optimizer.
+all-reduced one by one when the optimizer first reads each of them. ``GradReducer`` gathers them
+as backward produces them (a post-accumulate-grad hook per parameter) into buckets of one
+(mesh, layout); a full bucket starts its all-reduce at once, across processes asynchronously, so
+it runs while backward goes on; the end of backward starts the rest and waits for all. A bucket's
+local shards are flattened into one buffer and reduced along each axis where the gradients are
+Partial and their parameters Broadcast: an elementwise sum, so flattening is exact whatever the
+other axes do. Other Partial axes are left to the optimizer.
 """
 
 from __future__ import annotations
@@ -16,36 +18,49 @@ from .. import comm
 from ..sbp import Broadcast, Partial
 from ..tensor import GlobalTensor
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "BUCKET_BYTES"]
 
 _SUM = Partial("sum")
+BUCKET_BYTES = 1 << 20  # per device, like DDP's first bucket
 
 
 class GradReducer:
-    def __init__(self, params) -> None:
-        self._ready: list[torch.nn.Parameter] = []
+    def __init__(self, params, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.bucket_bytes = bucket_bytes
+        self._open: dict = {}  # (mesh, sbp, dtype, axes) -> [parameters, bytes]
+        self._started: list = []  # functions finishing started buckets
         self._queued = False
         self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params if p.requires_grad]
 
     def _hook(self, p: torch.nn.Parameter) -> None:
         g = p.grad
-        if not isinstance(g, GlobalTensor) or not isinstance(p, GlobalTensor) or not _axes(p, g):
+        if not isinstance(g, GlobalTensor) or not isinstance(p, GlobalTensor):
             return
-        self._ready.append(p)
+        axes = _axes(p, g)
+        if not axes:
+            return
+        key = (g.spec.mesh, g.sbp, g.dtype, axes)
+        bucket = self._open.setdefault(key, [[], 0])
+        bucket[0].append(p)
+        bucket[1] += g.numel() * g.element_size() // max(1, g.spec.mesh.size)
+        if bucket[1] >= self.bucket_bytes:
+            self._start(key)
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
+    def _start(self, key) -> None:
+        params, _ = self._open.pop(key)
+        mesh, sbp, _, axes = key
+        self._started.append(_start_bucket(mesh, sbp, axes, params))
+
     def flush(self) -> None:
-        """Reduce the gradients gathered since the last flush (runs at the end of backward)."""
-        ready, self._ready, self._queued = self._ready, [], False
-        groups: dict = {}
-        for p in ready:
-            g = p.grad
-            if isinstance(g, GlobalTensor):
-                groups.setdefault((g.spec.mesh, g.sbp, g.dtype, _axes(p, g)), []).append(p)
-        for (mesh, sbp, _, axes), params in groups.items():
-            _reduce_bucket(mesh, sbp, axes, params)
+        """Start what is left and wait for every bucket (runs at the end of backward)."""
+        for key in list(self._open):
+            self._start(key)
+        started, self._started, self._queued = self._started, [], False
+        for finish in started:
+            finish()
 
     def remove(self) -> None:
         for h in self.handles:
@@ -59,23 +74,34 @@ def _axes(p: GlobalTensor, g: GlobalTensor) -> tuple[int, ...]:
     return tuple(a for a, (s, t) in enumerate(zip(g.sbp, p.sbp)) if s == _SUM and isinstance(t, Broadcast))
 
 
-def _reduce_bucket(mesh, sbp, axes, params) -> None:
+def _start_bucket(mesh, sbp, axes, params):
+    """Start reducing one bucket; returns the function that waits and installs the reduced grads."""
     positions = mesh.local_positions
     grads = [p.grad for p in params]
     flat: list = [None] * mesh.size
     for pos in positions:
         flat[pos] = torch.cat([g._shards[pos].reshape(-1) for g in grads])
-    for a in axes:
+    *first, last = axes
+    for a in first:  # more than one axis: all but the last one now, in turn
         for group in mesh.groups(a):
-            out = comm.all_reduce([mesh.devices[q] for q in group], [flat[q] for q in group], "sum")
-            for q, t in zip(group, out):
+            for q, t in zip(group, comm.all_reduce([mesh.devices[q] for q in group], [flat[q] for q in group])):
                 flat[q] = t
-    new_sbp = tuple(Broadcast() if a in axes else s for a, s in enumerate(sbp))
-    cut: dict = {}  # position -> the reduced shards, in grads order
-    for pos in positions:
-        sizes = [g._shards[pos].numel() for g in grads]
-        pieces = torch.split(flat[pos], sizes)
-        cut[pos] = [piece.view(g._shards[pos].shape) for piece, g in zip(pieces, grads)]
-    for k, (p, g) in enumerate(zip(params, grads)):
-        shards = tuple(cut[pos][k] if pos in cut else None for pos in range(mesh.size))
-        p.grad = GlobalTensor._make(g.spec.with_sbp(new_sbp), shards, g.stride())
+    pending = [
+        (group, comm.all_reduce_start([mesh.devices[q] for q in group], [flat[q] for q in group]))
+        for group in mesh.groups(last)
+    ]
+
+    def finish() -> None:
+        for group, wait in pending:
+            for q, t in zip(group, wait()):
+                flat[q] = t
+        new_sbp = tuple(Broadcast() if a in axes else s for a, s in enumerate(sbp))
+        cut = {}
+        for pos in positions:
+            pieces = torch.split(flat[pos], [g._shards[pos].numel() for g in grads])
+            cut[pos] = [piece.view(g._shards[pos].shape) for piece, g in zip(pieces, grads)]
+        for k, (p, g) in enumerate(zip(params, grads)):
+            shards = tuple(cut[pos][k] if pos in cut else None for pos in range(mesh.size))
+            p.grad = GlobalTensor._make(g.spec.with_sbp(new_sbp), shards, g.stride())
+
+    return finish
