@@ -45,8 +45,8 @@ def distribute_module(
     """Replace ``module``'s parameters and buffers by GlobalTensors laid out per ``plan``, in place,
     and install the plan's input/output layouts as hooks. With ``reduce_gradients`` (default),
     gradients that are partial sums over an axis where their parameter is replicated (data
-    parallelism) are reduced together at the end of backward, one collective per layout, instead
-    of one by one when the optimizer reads them. Returns ``module``."""
+    parallelism) are reduced in buckets as backward produces them (``GradReducer``), instead of
+    one by one when the optimizer reads them. Returns ``module``."""
     if plan is None:
         plan = Plan()
     elif not isinstance(plan, Plan):
