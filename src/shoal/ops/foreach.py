@@ -22,6 +22,7 @@ from .. import boxing
 from ..sbp import Broadcast, NdSBP, Partial, Split
 from ..tensor import GlobalTensor
 from .empty import pad_empty, pad_empty_local
+from .reduction import reduced_dims
 from .registry import Call, Rule, Sig, register, register_generic
 
 aten = torch.ops.aten
@@ -294,19 +295,9 @@ register_generic(
 _NORM_PARTIAL = {0.0: "sum", 1.0: "sum", math.inf: "max"}
 
 
-def _vector_norm_dims(call: Call) -> tuple[tuple[int, ...], bool]:
-    x = call.ins[0]
-    dim = call.arg(2, "dim")
-    keepdim = bool(call.arg(3, "keepdim", False))
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        return tuple(range(x.ndim)), keepdim
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    return tuple(sorted({d % max(x.ndim, 1) for d in dims})), keepdim
-
-
 def _vector_norm(call: Call) -> list[Sig]:
     x = call.ins[0]
-    dims, keepdim = _vector_norm_dims(call)
+    dims, keepdim = reduced_dims(call, 2)
     kind = _NORM_PARTIAL.get(float(call.arg(1, "ord", 2)))
     sigs = []
     for d in range(x.ndim):
@@ -322,7 +313,7 @@ def _splits_reduced(call: Call, specs) -> bool:
     """ord 2 (and any other p) of a split reduced dim: sum |x|^p across shards, then the root."""
     if float(call.arg(1, "ord", 2)) in _NORM_PARTIAL:
         return False
-    dims, _ = _vector_norm_dims(call)
+    dims, _ = reduced_dims(call, 2)
     return any(isinstance(s, Split) and s.dim in dims for s in specs[0].sbp)
 
 

@@ -60,15 +60,21 @@ def _layer_norm_split_normalized(call: Call, specs) -> bool:
     return math.prod(x.shape[axis:]) > 0 and any(d >= axis for d in _split_dims(specs[0]))
 
 
-def _layer_norm_decomposition(x, normalized_shape, weight, bias, eps):
-    """Statistics over a split normalized dim: local sums, Partial, reduced by the ops' own rules."""
-    dims = list(range(_ln_axis(x, normalized_shape), x.ndim))
+def _normalize(x, dims, eps):
+    """(x - mean) * rstd over ``dims`` with the mean, biased variance and rstd, in ops that have rules:
+    over a split dim the means are local sums (Partial) reduced by those ops' own rules."""
     xc = _cast(x, _compute_dtype(x.dtype))
     mean = aten.mean.dim(xc, dims, True)
     centered = aten.sub.Tensor(xc, mean)
     var = aten.mean.dim(aten.mul.Tensor(centered, centered), dims, True)
     rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
-    out = aten.mul.Tensor(centered, rstd)
+    return aten.mul.Tensor(centered, rstd), mean, var, rstd
+
+
+def _layer_norm_decomposition(x, normalized_shape, weight, bias, eps):
+    """Statistics over a split normalized dim: local sums, Partial, reduced by the ops' own rules."""
+    dims = list(range(_ln_axis(x, normalized_shape), x.ndim))
+    out, mean, var, rstd = _normalize(x, dims, eps)
     if weight is not None:
         out = aten.mul.Tensor(out, weight)
     if bias is not None:
@@ -193,15 +199,9 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, momentum, eps):
     spatial dim gives Partial sums, reduced by the ops' own rules; a channel split stays local.
 
     Running stats are written in place by one copy_ each. The kernel is not used with them: native_batch_norm's
-    schema does not declare the writes, and a kernel writing two tensors at once is double-applied by dispatch
-    when only one of them is shared between devices (``dispatch._plan_writes`` compares them jointly)."""
+    schema does not declare the writes (``_native_batch_norm_legit`` does, and could serve here)."""
     c, dims, shape = x.shape[1], _bn_dims(x), _bn_shape(x)
-    xc = _cast(x, _compute_dtype(x.dtype))
-    mean = aten.mean.dim(xc, dims, True)
-    centered = aten.sub.Tensor(xc, mean)
-    var = aten.mean.dim(aten.mul.Tensor(centered, centered), dims, True)
-    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
-    out = aten.mul.Tensor(centered, rstd)
+    out, mean, var, rstd = _normalize(x, dims, eps)
     if weight is not None:
         out = aten.mul.Tensor(out, aten.view.default(weight, shape))
     if bias is not None:

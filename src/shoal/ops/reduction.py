@@ -33,12 +33,13 @@ _KIND = {
 _ALL_DIMS = {aten.sum.default, aten.mean.default, aten.max.default, aten.min.default}
 
 
-def reduced_dims(call: Call) -> tuple[tuple[int, ...], bool]:
+def reduced_dims(call: Call, dim_arg: int = 1) -> tuple[tuple[int, ...], bool]:
+    """(reduced dims, keepdim) of a reduction whose ``dim`` is argument ``dim_arg`` and keepdim the next."""
     x = call.ins[0]
     if call.func in _ALL_DIMS:
         return tuple(range(x.ndim)), False
-    dim = call.arg(1, "dim")
-    keepdim = bool(call.arg(2, "keepdim", False))
+    dim = call.arg(dim_arg, "dim")
+    keepdim = bool(call.arg(dim_arg + 1, "keepdim", False))
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return tuple(range(x.ndim)), keepdim
     dims = [dim] if isinstance(dim, int) else list(dim)
