@@ -95,24 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
-    cfg = training.TrainConfig(
-        model=args.model,
-        plan=args.plan,
-        devices=args.devices,
-        mesh=args.mesh,
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        warmup=args.warmup,
-        optimizer=args.optimizer,
-        seed=args.seed,
-        threads=args.threads,
-        every=args.every,
-        out=args.out,
-        model_args=dict(args.model_args),
-        sample=args.sample,
-        progress=args.progress,
-    )
+    # the train options are named as TrainConfig's fields
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(training.TrainConfig) if hasattr(args, f.name)}
+    cfg = training.TrainConfig(**{**given, "model_args": dict(args.model_args)})
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # under shoal run / torchrun: rank 0 reports and writes the run directory
         cfg = dataclasses.replace(cfg, progress=False, save=False)

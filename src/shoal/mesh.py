@@ -119,22 +119,18 @@ class Mesh:
 
     def submesh(self, **fixed: int) -> Mesh:
         """The sub-mesh with the named axes fixed at the given coordinates, e.g. ``mesh.submesh(dp=0)``."""
-        idx = [slice(None)] * self.ndim
+        at: dict[int, int] = {}
         for name, c in fixed.items():
             a = self.axis_index(name)
             if not 0 <= c < self.shape[a]:
                 raise ValueError(f"Mesh.submesh: {name}={c} out of range for axis size {self.shape[a]}")
-            idx[a] = c
-        keep = [a for a in range(self.ndim) if isinstance(idx[a], slice)]
+            at[a] = c
+        keep = [a for a in range(self.ndim) if a not in at]
         if not keep:
             raise ValueError("Mesh.submesh: fixing every axis leaves no mesh; keep at least one axis free")
-        devs = [d for d, c in zip(self.devices, self.coords) if all(c[a] == idx[a] for a in fixed_axes(idx))]
+        devs = [d for d, c in zip(self.devices, self.coords) if all(c[a] == v for a, v in at.items())]
         arr = _reshape(devs, [self.shape[a] for a in keep])
         return Mesh(arr, axes=[self.axes[a] for a in keep])
-
-
-def fixed_axes(idx) -> list[int]:
-    return [a for a, v in enumerate(idx) if not isinstance(v, slice)]
 
 
 def _reshape(flat: list[int], shape: list[int]):

@@ -195,14 +195,9 @@ def _inplace_decomposition(func):
     return run
 
 
-def _region(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-
-
 def _inplace_local(call: Call, ins, outs):
-    """Write each element's memory once: the shards of a Broadcast element are one tensor shared by the
-    devices on CPU, and dispatch runs a list op once per device. Elements another device of this call
-    already wrote (with equal operands, as their layouts match) are left out of the call."""
+    """In place, every element keeps its layout; refuse what cannot be computed so exactly. (Elements
+    whose shards several devices share are written once: dispatch tracks each list element's memory.)"""
     where = _args(call)
     moved = [x for x in where.lists[0] if call.specs and _keep_size1(ins[x], call.specs[x]) != call.specs[x].sbp]
     if moved:  # only the generic rule gets here: explicit in-place rules decompose such calls
@@ -211,31 +206,7 @@ def _inplace_local(call: Call, ins, outs):
             f"it cannot compute in place exactly (Partial, op not linear). Reduce them first, e.g. "
             f"x.to_global(sbp=shoal.B) for Partial axes, or call the op per tensor."
         )
-    func = call.func
-    schema = func._schema.arguments
-    names = [a.name for a in schema]
-    written: set = set()
-
-    def run(shard, *args, **kwargs):
-        if shard.pos == shard.in_specs[0].mesh.local_positions[0]:
-            written.clear()  # a new call starts at the first local device
-        self_list = args[0]
-        regions = [_region(t) for t in self_list]
-        keep = [i for i, r in enumerate(regions) if r not in written]
-        written.update(regions)
-        if len(keep) == len(self_list):
-            return func(*args, **kwargs)
-        if not keep:
-            return None
-
-        def pick(name, v):
-            return [v[i] for i in keep] if name in where.per_index else v
-
-        a = [pick(names[i], v) for i, v in enumerate(args)]
-        kw = {k: pick(k, v) for k, v in kwargs.items()}
-        return func(*a, **kw)
-
-    return run
+    return None  # the op itself runs on each device's shards
 
 
 def _register_pointwise() -> list:
@@ -277,8 +248,7 @@ def _other_pointwise_foreach(op) -> bool:
 def _generic_local(call: Call, ins, outs):
     if _base(call.func)[2]:
         return _inplace_local(call, ins, outs)
-    func = call.func
-    return lambda shard, *args, **kwargs: func(*args, **kwargs)
+    return None  # the op itself runs on each device's shards
 
 
 # Without a rule, an in-place list op would run on Broadcast copies and its writes would be lost: give
