@@ -7,6 +7,7 @@ single-device meaning. This module only re-exports the public API.
 from . import ops  # noqa: F401  (registers the op rules)
 from .comm.counter import CommCounter
 from .dispatch import coverage
+from .graph.api import CompiledStep, compile
 from .mesh import Mesh
 from .parallel import Plan, data_parallel, distribute_module, memory_per_device, shard_optimizer_state
 from .sbp import SBP, B, Broadcast, P, Partial, S, Split
@@ -18,6 +19,7 @@ __all__ = [
     "B",
     "Broadcast",
     "CommCounter",
+    "CompiledStep",
     "GlobalTensor",
     "Mesh",
     "P",
@@ -27,6 +29,7 @@ __all__ = [
     "Split",
     "TensorSpec",
     "World",
+    "compile",
     "coverage",
     "Plan",
     "data_parallel",

@@ -682,9 +682,10 @@ def _same_everywhere(shards, positions) -> bool:
 
 
 def _region(t) -> tuple:
-    """The memory a shard covers: equal regions are the same piece of memory."""
+    """The memory a shard covers: equal regions are the same piece of memory (by storage, so that
+    meta shards, which all have address 0, are told apart when a step is traced)."""
     if isinstance(t, torch.Tensor):
-        return (t.data_ptr(), t.shape, t.stride())
+        return (t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride())
     return (id(t),)
 
 

@@ -86,7 +86,7 @@ def _keep_one(xs: list, op: str) -> list:
         if i == 0 or x is None:
             out.append(x)
         else:
-            if zero is None or zero.device != x.device:
+            if zero is None or zero.device != x.device or x.device.type == "meta":  # traced: a zero per device
                 zero = torch.zeros_like(x)
             out.append(zero)
     return out

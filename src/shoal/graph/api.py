@@ -1,0 +1,218 @@
+"""``shoal.compile``: a step function traced once per guard key, then run as a plan on actors."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from ..dispatch import _region
+from ..tensor import GlobalTensor
+from .capture import capture, guard_key, leaves
+from .ir import Graph, Ref, Value
+from .lower import Plan, lower
+from .passes import run_passes
+
+__all__ = ["compile", "CompiledStep"]
+
+
+class CompiledStep:
+    """A step function compiled per guard key (input shapes, dtypes, meshes, layouts, state).
+
+    ``micro_batches`` M > 1 splits every tensor argument along dim 0 into M pieces and runs the
+    step on each in turn, several in flight (the result is the list of M results); state carries
+    from piece to piece exactly as if the step were called M times.
+    """
+
+    def __init__(self, fn, backend: str | None = None, micro_batches: int = 1, registers: int = 2,
+                 passes: bool = True) -> None:
+        if backend not in (None, "inductor"):
+            raise ValueError(f"shoal.compile: unknown backend {backend!r}; use None or 'inductor'")
+        if micro_batches < 1:
+            raise ValueError(f"shoal.compile: micro_batches must be >= 1, got {micro_batches}")
+        self.fn, self.backend, self.micro_batches = fn, backend, micro_batches
+        self.registers, self.passes = registers, passes
+        self._cache: dict = {}
+        self._last = None
+        self.compile_seconds = 0.0
+        self.traces = 0
+        functools.update_wrapper(self, fn)
+
+    # -- what was compiled ----------------------------------------------------------------------
+    @property
+    def graph(self) -> Graph:
+        if self._last is None:
+            raise RuntimeError("shoal.compile: call the step once first; it is traced on its first call")
+        return self._last[0]
+
+    @property
+    def plan(self) -> Plan:
+        return self.graph and self._last[1]
+
+    def trace(self, path: str) -> None:
+        """Write the runtime's last step as a Chrome/Perfetto trace (open in ui.perfetto.dev)."""
+        if self._last is None:
+            raise RuntimeError("shoal.compile: no step has run yet")
+        self._last[2].chrome_trace(path)
+
+    @property
+    def timeline(self) -> list:
+        return [] if self._last is None else self._last[2].timeline
+
+    # -- calling --------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        m = self.micro_batches
+        pieces = _split(args, kwargs, m) if m > 1 else None
+        targs, tkwargs = pieces[0] if pieces else (args, kwargs)
+        key = guard_key(targs, tkwargs)
+        entry = self._cache.get(key)
+        if entry is None:
+            from ..runtime import Runtime
+
+            t0 = time.perf_counter()
+            g = capture(self.fn, targs, tkwargs)
+            if self.passes:
+                run_passes(g)
+            plan = lower(g, self.backend)
+            entry = self._cache[key] = (g, plan, Runtime(plan, self.registers))
+            self.compile_seconds = time.perf_counter() - t0
+            self.traces += 1
+            g.notes.append(f"compiled in {self.compile_seconds:.2f} s; {len(plan.tasks)} tasks; planned peak "
+                           f"bytes per device {plan.peak_bytes}")
+        self._last = entry
+        g, plan, rt = entry
+        static = _bind(g, plan, targs, tkwargs)
+        per_piece = None
+        if pieces:
+            per_piece = [_bind_inputs(g, plan, a, k) for a, k in pieces]
+        results, final = rt.run(static, m, per_piece)
+        _write_state(g, static, final)
+        outs = [_build(g.outputs, r, static) for r in results]
+        return outs if pieces else outs[0]
+
+
+def compile(fn=None, *, backend: str | None = None, micro_batches: int = 1, registers: int = 2,  # noqa: A001
+            passes: bool = True):
+    """Compile a step (forward, backward, optimizer) into a static graph run on the actor runtime.
+    Use as ``@shoal.compile`` or ``shoal.compile(fn, backend="inductor", micro_batches=4)``."""
+    if fn is None:
+        return lambda f: CompiledStep(f, backend, micro_batches, registers, passes)
+    return CompiledStep(fn, backend, micro_batches, registers, passes)
+
+
+# -- binding ------------------------------------------------------------------------------------
+
+
+def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -> None:
+    """Bind ``t``'s shards to ``v``'s Locals. Eager shares one piece of memory between devices
+    holding the same values (Broadcast on CPU); where the plan writes it, each device gets its own."""
+    seen = set()
+    shards = list(t._shards)
+    changed = False
+    for p, lid in enumerate(v.locals):
+        if lid is None:
+            continue
+        s = shards[p]
+        region = _region(s)
+        if region in seen and g.locals[lid].base in written:
+            s = shards[p] = s.clone()
+            region = _region(s)
+            changed = True
+        seen.add(region)
+        env[lid] = s
+    if changed:
+        t._shards = tuple(shards)
+        t._resolved = None
+
+
+def _bind(g: Graph, plan: Plan, args, kwargs) -> dict:
+    env = dict(g.constants)
+    written = plan.written
+    objs = leaves(args, kwargs)
+    for i, _, v in g.inputs:
+        o = objs[i][1]
+        if isinstance(v, Value):
+            _shards_into(env, v, o, written, g)
+        else:
+            env[v] = o
+    for s in g.slots:
+        if s.before is None:
+            continue
+        o = s.get()
+        if isinstance(s.before, Value):
+            _shards_into(env, s.before, o, written, g)
+        else:
+            env[s.before] = o
+    return env
+
+
+def _bind_inputs(g: Graph, plan: Plan, piece, k: int) -> dict:
+    env: dict = {}
+    args, kwargs = piece
+    objs = leaves(args, kwargs)
+    for i, path, v in g.inputs:
+        o = objs[i][1]
+        if isinstance(v, Value):
+            if o._spec != v.spec:
+                raise ValueError(f"shoal.compile: micro-batch {k} of {path} is laid out {o._spec}, micro-batch 0 "
+                                 f"{v.spec}; pick a batch size the micro-batches split evenly")
+            _shards_into(env, v, o, plan.written, g)
+        else:
+            env[v] = o
+    return env
+
+
+def _get(lid, final: dict, static: dict):
+    return final[lid] if lid in final else static[lid]
+
+
+def _write_state(g: Graph, static: dict, final: dict) -> None:
+    for s in g.slots:
+        a = s.after
+        if a is None:
+            if s.key is not None and s.get() is not None:
+                s.set(None)
+            continue
+        if isinstance(a, Value):
+            shards = tuple(None if lid is None else _get(lid, final, static) for lid in a.locals)
+            if s.same or s.key is None:
+                t = s.get()
+                t._spec, t._shards, t._resolved = a.spec, shards, None
+            else:
+                s.set(GlobalTensor._make(a.spec, shards, a.stride))
+        else:
+            s.set(_get(a, final, static))
+
+
+def _build(o, results: dict, static: dict):
+    if isinstance(o, Value):
+        shards = tuple(None if lid is None else _get(lid, results, static) for lid in o.locals)
+        return GlobalTensor._make(o.spec, shards, o.stride)
+    if isinstance(o, Ref):
+        return _get(o.id, results, static)
+    if isinstance(o, (list, tuple)):
+        return type(o)(_build(e, results, static) for e in o)
+    if isinstance(o, dict):
+        return {k: _build(e, results, static) for k, e in o.items()}
+    return o
+
+
+def _split(args, kwargs, m: int) -> list:
+    """The arguments of each micro-batch: every tensor cut into ``m`` equal parts along dim 0."""
+
+    def cut(o, k):
+        if isinstance(o, torch.Tensor):
+            n = o.shape[0]
+            if n % m:
+                raise ValueError(f"shoal.compile: micro_batches={m} does not divide a batch of {n}")
+            b = n // m
+            return o[k * b:(k + 1) * b]
+        if isinstance(o, (list, tuple)):
+            return type(o)(cut(e, k) for e in o)
+        if isinstance(o, dict):
+            return {kk: cut(e, k) for kk, e in o.items()}
+        return o
+
+    with torch.no_grad():
+        return [(tuple(cut(a, k) for a in args), {n: cut(v, k) for n, v in kwargs.items()}) for k in range(m)]

@@ -1,0 +1,238 @@
+"""Capture: find a step's state, swap it for meta stand-ins, trace, put everything back.
+
+State is what the step reads and leaves behind besides its arguments' values: parameters,
+gradients and buffers of the modules it is given, the state of the optimizers it is given. The
+guard key says when a captured graph no longer fits the call (shapes, dtypes, meshes, layouts,
+which state exists, optimizer settings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import nn
+
+from ..tensor import GlobalTensor
+from .ir import Graph, Ref, Slot, Value
+from .trace import TraceError, Tracer
+
+__all__ = ["capture", "guard_key", "state_slots"]
+
+_SKIP_GROUP_KEYS = ("params", "capturable", "foreach")
+
+
+def _walk(obj, path: str, out: list) -> None:
+    if isinstance(obj, (list, tuple)):
+        for i, e in enumerate(obj):
+            _walk(e, f"{path}[{i}]", out)
+    elif isinstance(obj, dict):
+        for k, e in obj.items():
+            _walk(e, f"{path}[{k!r}]", out)
+    else:
+        out.append((path, obj))
+
+
+def leaves(args: tuple, kwargs: dict) -> list:
+    out: list = []
+    _walk(list(args), "args", out)
+    _walk(kwargs, "kwargs", out)
+    return out
+
+
+def _tensor_key(t):
+    if isinstance(t, GlobalTensor):
+        return ("G", t._spec, t.stride(), t.requires_grad)
+    return ("T", tuple(t.shape), t.dtype, t.stride(), t.device)
+
+
+def state_slots(objs) -> list[Slot]:
+    """The state of the modules and optimizers among ``objs``, one Slot per place it lives."""
+    slots, seen = [], set()
+
+    def add(owner, key, label):
+        if (id(owner), key) not in seen:
+            seen.add((id(owner), key))
+            slots.append(Slot(owner, key, label, None))
+
+    for _, o in objs:
+        if isinstance(o, nn.Module):
+            for name, p in o.named_parameters():
+                if isinstance(p, GlobalTensor):
+                    add(p, None, name)
+                    add(p, "grad", f"{name}.grad")
+            for mname, m in o.named_modules():
+                for bname, b in m._buffers.items():
+                    if isinstance(b, GlobalTensor):
+                        add(m._buffers, bname, f"{mname}.{bname}" if mname else bname)
+        elif isinstance(o, torch.optim.Optimizer):
+            names = {id(p): f"param{i}" for i, p in enumerate(p for g in o.param_groups for p in g["params"])}
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if isinstance(p, GlobalTensor):
+                        add(p, None, names[id(p)])
+                        add(p, "grad", f"{names[id(p)]}.grad")
+                    for k in o.state.get(p, {}):
+                        add(o.state[p], k, f"opt[{names[id(p)]}].{k}")
+    return slots
+
+
+def guard_key(args: tuple, kwargs: dict) -> tuple:
+    """What a captured graph depends on besides the values of its tensors."""
+    key = []
+    objs = leaves(args, kwargs)
+    for path, o in objs:
+        if isinstance(o, torch.Tensor):
+            key.append((path, _tensor_key(o)))
+        elif isinstance(o, nn.Module):
+            key.append((path, type(o), o.training))
+        elif isinstance(o, torch.optim.Optimizer):
+            groups = tuple(tuple((k, v) for k, v in sorted(g.items()) if k not in _SKIP_GROUP_KEYS)
+                           for g in o.param_groups)
+            key.append((path, type(o), _hashable(groups)))
+        else:
+            key.append((path, _hashable(o)))
+    for s in state_slots(objs):
+        v = s.get()
+        key.append((s.label, None if v is None else _tensor_key(v)))
+    return tuple(key)
+
+
+def _hashable(o):
+    try:
+        hash(o)
+        return o
+    except TypeError:
+        if isinstance(o, (list, tuple)):
+            return tuple(_hashable(e) for e in o)
+        if isinstance(o, dict):
+            return tuple((k, _hashable(v)) for k, v in o.items())
+        return ("id", id(o))
+
+
+@contextlib.contextmanager
+def _optimizers_traceable(opts):
+    """Optimizers take their capturable foreach path while traced: step counters and bias
+    corrections as tensor ops (re-run every step), not Python floats read with .item()."""
+    saved = []
+    for o in opts:
+        for g in o.param_groups:
+            saved.append((g, {k: g[k] for k in ("capturable", "foreach") if k in g}))
+            if "capturable" in g:
+                g["capturable"] = True
+            if "foreach" in g:
+                g["foreach"] = True
+    prev = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = prev
+        for g, kv in saved:
+            g.update(kv)
+
+
+def capture(fn, args: tuple, kwargs: dict) -> Graph:
+    """Trace ``fn(*args, **kwargs)`` into a Graph; every tensor and state is as it was afterwards."""
+    t0 = time.perf_counter()
+    tr = Tracer()
+    g = tr.g
+    objs = leaves(args, kwargs)
+    slots = state_slots(objs)
+    opts = [o for _, o in objs if isinstance(o, torch.optim.Optimizer)]
+    saved_gt: dict[int, tuple] = {}  # id -> (tensor, shards, spec, resolved)
+    saved_slots = [(s, s.get()) for s in slots]
+    saved_opt = [(o, {p: dict(st) for p, st in o.state.items()}) for o in opts]
+
+    def stand_in(t: GlobalTensor) -> None:
+        if id(t) not in saved_gt:
+            saved_gt[id(t)] = (t, t._shards, t._spec, t._resolved)
+            t._shards = tr.meta_input(t._spec, t._shards, t.stride())
+            t._resolved = None
+
+    host_swapped = []
+    traced_obj = {}  # slot -> the object the trace starts from
+    try:
+        for s, v in saved_slots:
+            traced_obj[id(s)] = v
+            if isinstance(v, GlobalTensor):
+                stand_in(v)
+                s.before = tr.value(v)
+            elif isinstance(v, torch.Tensor):  # a plain state tensor (an optimizer's step count)
+                c = traced_obj[id(s)] = v.clone()
+                s.set(c)
+                host_swapped.append((s, v))
+                s.before = tr.host_input(c)
+        for i, (path, o) in enumerate(objs):
+            if isinstance(o, GlobalTensor):
+                stand_in(o)
+                g.inputs.append((i, path, tr.value(o)))
+            elif isinstance(o, torch.Tensor):
+                if o.requires_grad:
+                    raise TraceError(f"shoal.compile: {path} is a plain tensor that requires grad; "
+                                     "pass GlobalTensors or tensors without grad")
+                g.inputs.append((i, path, tr.host_input(o)))
+        with tr.patched(), _optimizers_traceable(opts), tr:
+            out = fn(*args, **kwargs)
+        g.outputs = _out_refs(tr, out, g)
+        # state after the step, including state it created (an optimizer's first step)
+        for s, _ in saved_slots:
+            now = s.get()
+            s.after = _state_ref(tr, now)
+            s.same = now is not None and now is traced_obj[id(s)]
+        known = {(id(s.owner), s.key) for s in slots}
+        for s in state_slots(objs):
+            if (id(s.owner), s.key) not in known:
+                s.after = _state_ref(tr, s.get())
+                slots.append(s)
+        g.slots = slots
+    except BaseException:
+        for o, st in saved_opt:
+            o.state.clear()
+            o.state.update(st)
+        for s, v in saved_slots:
+            s.set(v) if s.key is not None else None
+        raise
+    finally:
+        for t, shards, spec, resolved in saved_gt.values():
+            t._shards, t._spec, t._resolved = shards, spec, resolved
+        for s, v in host_swapped:
+            s.set(v)
+    # ops whose device was never decided were only made to decide layouts
+    dead = tr.unsettled()
+    g.ops = [op for op in g.ops if id(op) not in dead]
+    g.notes.append(f"traced in {time.perf_counter() - t0:.2f} s")
+    return g
+
+
+def _state_ref(tr: Tracer, v):
+    if isinstance(v, GlobalTensor):
+        return tr.value(v)
+    if isinstance(v, torch.Tensor):
+        return tr.lid(v)
+    return None
+
+
+def _out_refs(tr: Tracer, out, g: Graph):
+    if isinstance(out, GlobalTensor):
+        v = tr.value(out)
+        g.out_refs.append(v)
+        return v
+    if isinstance(out, torch.Tensor):
+        lid = tr.lid(out)
+        if lid is None or g.locals[lid].device is not None:
+            raise TraceError("shoal.compile: the step returns a plain tensor made from a shard; return the "
+                             "GlobalTensor instead")
+        r = Ref(lid)
+        g.out_refs.append(r)
+        return r
+    if isinstance(out, (list, tuple)):
+        return type(out)(_out_refs(tr, e, g) for e in out)
+    if isinstance(out, dict):
+        return {k: _out_refs(tr, e, g) for k, e in out.items()}
+    return out
+
+
+def is_value(o) -> bool:
+    return isinstance(o, Value)

@@ -1,0 +1,83 @@
+"""The IR verifier: every pass must leave a graph that still makes sense (run after each in tests)."""
+
+from __future__ import annotations
+
+from .ir import Graph, Ref, Value
+
+__all__ = ["verify", "VerifyError"]
+
+
+class VerifyError(AssertionError):
+    pass
+
+
+def verify(g: Graph, after: str = "") -> None:
+    """Every Local is made once, before it is read, on the device of the op reading it; collectives
+    read and make Locals of the devices taking part; outputs and state are defined."""
+    where = f" (after {after})" if after else ""
+    defined = set(g.constants)
+    for _, _, v in g.inputs:
+        defined |= set(_lids(v))
+    for s in g.slots:
+        defined |= set(_lids(s.before))
+    made: set = set()
+    for i, op in enumerate(g.ops):
+        for x in (*op.reads, *op.writes):
+            if x not in defined:
+                raise VerifyError(f"op #{i} {op.name()} reads Local {x} before it is made{where}")
+        for x in op.out_ids:
+            if x in made or x in defined:
+                raise VerifyError(f"op #{i} {op.name()} makes Local {x} a second time{where}")
+            made.add(x)
+            defined.add(x)
+        if op.kind == "call":
+            for x in (*op.reads, *op.out_ids):
+                d = g.locals[x].device
+                if d is not None and d != op.device:
+                    raise VerifyError(
+                        f"op #{i} {op.name()} on device {op.device} touches Local {x} of device {d}{where}"
+                    )
+        elif op.kind == "comm":
+            for x in (*op.reads, *op.out_ids):
+                if g.locals[x].device not in (*op.devices, None):
+                    raise VerifyError(f"op #{i} {op.name()} over {op.devices} touches Local {x} of device "
+                                      f"{g.locals[x].device}{where}")
+        elif op.kind == "host":
+            for x in (*op.reads, *op.out_ids):
+                if g.locals[x].device is not None:
+                    raise VerifyError(f"host op #{i} {op.name()} touches device Local {x}{where}")
+        _check_refs(op, i, where)
+    for v in g.out_refs:
+        for x in _lids(v):
+            if x not in defined:
+                raise VerifyError(f"an output reads Local {x}, which no op makes{where}")
+    for s in g.slots:
+        for x in _lids(s.after):
+            if x not in defined:
+                raise VerifyError(f"state {s.label} is left as Local {x}, which no op makes{where}")
+
+
+def _check_refs(op, i, where) -> None:
+    found = set()
+
+    def walk(a):
+        if isinstance(a, Ref):
+            found.add(a.id)
+        elif isinstance(a, (list, tuple)):
+            for e in a:
+                walk(e)
+
+    walk(op.args)
+    walk(list(op.kwargs.values()))
+    if not found <= set(op.reads):
+        raise VerifyError(f"op #{i} {op.name()} uses Locals {sorted(found - set(op.reads))} it does not list{where}")
+
+
+def _lids(v) -> list:
+    if isinstance(v, Value):
+        return [x for x in v.locals if x is not None]
+    if isinstance(v, Ref):
+        return [v.id]
+    if isinstance(v, int):
+        return [v]
+    return []
