@@ -85,7 +85,7 @@ class CompiledStep:
         static = _bind(g, plan, targs, tkwargs)
         per_piece = None
         if pieces:
-            per_piece = [_bind_inputs(g, plan, a, k) for a, k in pieces]
+            per_piece = [_bind_inputs(g, plan, piece, k) for k, piece in enumerate(pieces)]
         results, final = rt.run(static, m, per_piece)
         _write_state(g, static, final)
         outs = [_build(g.outputs, r, static) for r in results]

@@ -277,7 +277,12 @@ class Tracer(TorchDispatchMode):
         in_refs = [None if x is None else Ref(self.lid(x)) for x in xs]
         self._quiet += 1
         try:
-            res = (self._orig["all_reduce"] if name == "all_reduce_start" else fn)(*args)
+            if name == "transfer":  # moving meta data: only where it lands matters
+                res = self._meta_like(t) if world().owns(dst) and t is not None else None
+                if res is None and world().owns(dst):
+                    res = torch.empty(args[3], dtype=args[4], device="meta")
+            else:
+                res = (self._orig["all_reduce"] if name == "all_reduce_start" else fn)(*args)
         finally:
             self._quiet -= 1
         outs = [res] if name == "transfer" else list(res)

@@ -1,0 +1,251 @@
+"""Graph mode: a compiled step gives what the eager step gives, and the compiler's parts do their job.
+
+Parity: each bundled model, from the same initial weights, takes 5 AdamW steps eagerly and 5
+compiled under every plan (one device, DP, TP, DP x TP, ZeRO): losses and final parameters and
+buffers agree to 1e-5 relative. The compiled optimizer runs torch's capturable path (step counts
+and bias corrections as tensors) where eager runs the float path: the same arithmetic, rounded
+differently, hence a small absolute floor as in test_models.
+"""
+
+import json
+
+import pytest
+import torch
+
+import shoal
+from shoal.graph.passes import PASSES
+from shoal.graph.trace import TraceError
+from shoal.graph.verify import VerifyError, verify
+from shoal.models import bert, gpt, resnet
+from shoal.testing import assert_same_value
+from test_models import MODELS, batches, initial, mesh_for
+
+STEPS = 5
+KINDS = ("one", "dp", "tp", "dp,tp", "zero")
+
+
+def step(model, opt, x, y):
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def build(name: str, kind: str):
+    module, _ = MODELS[name]
+    mesh = shoal.Mesh([0]) if kind == "one" else mesh_for(kind)
+    plan = None if kind == "one" else module.plans(mesh, kind)
+    model = shoal.distribute_module(initial(name), mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if kind == "zero":
+        shoal.shard_optimizer_state(opt, mesh, "dp")
+    return model, opt
+
+
+def train(name, kind, fn):
+    model, opt = build(name, kind)
+    losses = [fn(model, opt, x, y).item() for x, y in batches(name)[:STEPS]]
+    return model, losses
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compiled_steps_match_eager(name, kind):
+    eager, eager_losses = train(name, kind, step)
+    compiled = shoal.compile(step)
+    model, losses = train(name, kind, compiled)
+    # the first step creates the optimizer state: traced again once it exists, then never again
+    assert compiled.traces == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    want = eager.state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in got.items():
+        assert isinstance(v, shoal.GlobalTensor) and v.sbp == want[k].sbp, k
+        assert_same_value(v.detach(), want[k].detach().full(), f"{name} {kind}: {k}", rtol=1e-5, atol=5e-6)
+
+
+def test_listing_shows_values_ops_and_boxing():
+    model, opt = build("gpt", "dp")
+    compiled = shoal.compile(step)
+    x, y = batches("gpt")[0]
+    compiled(model, opt, x, y)
+    text = str(compiled.graph)
+    assert "input args[2]: host int64[6, 8]" in text  # token ids as given, laid out by the model's input hook
+    assert "state blocks.0.attn.q.weight: %" in text and "float32[32, 32] [B]" in text
+    assert "addmm.default(" in text and "box " in text
+    assert "comm.all_reduce over devices [0, 1, 2, 3]" in text  # the gradient buckets
+    assert "state opt[param0].exp_avg <- %" in text
+    assert "planned peak bytes per device" in text
+
+
+def test_data_dependent_python_is_an_error_naming_the_line():
+    model, opt = build("gpt", "one")
+
+    def branchy(model, opt, x, y):
+        _, loss = model(x, y)
+        if loss.item() > 100:  # reads a value into Python
+            loss = loss * 0
+        return loss
+
+    x, y = batches("gpt")[0]
+    with pytest.raises(TraceError, match=r"test_graph.py:\d+: +if loss.item\(\) > 100"):
+        shoal.compile(branchy)(model, opt, x, y)
+    # nothing is left half-traced: the model still runs eagerly with real values
+    assert torch.isfinite(step(model, opt, x, y).full())
+
+
+def test_guards_retrace_on_new_shapes_layouts_and_meshes():
+    mesh2, mesh4 = shoal.Mesh([0, 1]), shoal.Mesh([0, 1, 2, 3])
+    f = shoal.compile(lambda a, b: (a @ b).relu().sum(0))
+    a, b = torch.randn(6, 5), torch.randn(5, 3)
+    ga, gb = shoal.to_global(a, mesh2, shoal.S(0)), shoal.to_global(b, mesh2, shoal.B)
+    for _ in range(2):
+        assert_same_value(f(ga, gb), (a @ b).relu().sum(0))
+    assert f.traces == 1
+    assert_same_value(f(shoal.to_global(a, mesh2, shoal.S(1)), gb), (a @ b).relu().sum(0))
+    assert f.traces == 2
+    a4, b4 = shoal.to_global(a, mesh4, shoal.S(0)), shoal.to_global(b, mesh4, shoal.B)
+    assert_same_value(f(a4, b4), (a @ b).relu().sum(0))
+    assert f.traces == 3
+    a2 = torch.randn(7, 5)
+    assert_same_value(f(shoal.to_global(a2, mesh2, shoal.S(0)), gb), (a2 @ b).relu().sum(0))
+    assert f.traces == 4
+
+
+def test_every_pass_leaves_a_valid_graph_and_the_verifier_catches_a_broken_one():
+    from shoal.graph.capture import capture
+
+    model, opt = build("gpt", "tp")
+    x, y = batches("gpt")[0]
+    g = capture(step, (model, opt, x, y), {})
+    verify(g)
+    for name, p in PASSES:
+        p(g)
+        verify(g, name)
+    # drop the op making something a later op reads
+    i = next(i for i, op in enumerate(g.ops) if op.out_ids and op.kind == "call")
+    del g.ops[i]
+    with pytest.raises(VerifyError, match="before it is made"):
+        verify(g)
+
+
+def test_dead_code_and_common_subexpressions():
+    mesh = shoal.Mesh([0, 1])
+
+    def f(a, b):
+        unused = (a * 3).exp()  # noqa: F841 - dead
+        return (a + b) * (a + b)
+
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    c = shoal.compile(f)
+    out = c(shoal.to_global(a, mesh, shoal.S(0)), shoal.to_global(b, mesh, shoal.S(0)))
+    assert_same_value(out, (a + b) * (a + b))
+    names = [op.name() for op in c.graph.ops]
+    assert "exp.default" not in names and "mul.Scalar" not in names
+    assert names.count("add.Tensor") == 2  # once per device, not twice
+
+
+def test_bucketing_fuses_small_gradient_all_reduces():
+    """Without the eager bucket reducer, DP gradients are reduced one by one when the optimizer
+    reads them; the bucketing pass makes that a few all-reduces."""
+    mesh = mesh_for("dp")
+    model = shoal.distribute_module(initial("gpt"), mesh, gpt.plans(mesh, "dp"), reduce_gradients=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = shoal.distribute_module(initial("gpt"), mesh, gpt.plans(mesh, "dp"))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    compiled = shoal.compile(step)
+    for x, y in batches("gpt")[:2]:
+        assert compiled(model, opt, x, y).item() == pytest.approx(step(ref, ref_opt, x, y).item(), rel=1e-6)
+    n_params = len(list(model.parameters()))
+    comms = [op for op in compiled.graph.ops if op.kind == "comm" and op.name() == "comm.all_reduce"]
+    assert 1 <= len(comms) < n_params // 4, [op.name() for op in comms]
+    assert any("bucket collectives" in n for n in compiled.graph.notes)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same_value(p.detach(), q.detach().full(), rtol=1e-5, atol=1e-6)
+
+
+def test_chrome_trace(tmp_path):
+    model, opt = build("gpt", "dp")
+    compiled = shoal.compile(step)
+    x, y = batches("gpt")[0]
+    compiled(model, opt, x, y)
+    path = tmp_path / "step.json"
+    compiled.trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"dev0", "dev1", "dev2", "dev3", "comm", "host"} <= names
+    firings = [e for e in events if e["ph"] == "X"]
+    assert len(firings) == len(compiled.plan.tasks) and all(e["dur"] >= 0 for e in firings)
+
+
+def test_micro_batches_equal_calling_the_step_once_per_micro_batch():
+    """State carries from piece to piece as if the step ran M times (here: gradients accumulate)."""
+    mesh = shoal.Mesh([0, 1])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    a = shoal.distribute_module(net, mesh, shoal.data_parallel(mesh))
+    torch.manual_seed(0)
+    b = shoal.distribute_module(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)),
+                                mesh, shoal.data_parallel(mesh))
+    for p in list(a.parameters()) + list(b.parameters()):
+        p.grad = torch.zeros_like(p)
+
+    def fwd_bwd(m, x):
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    x = torch.randn(8, 6)
+    want = [fwd_bwd(b, x[2 * k:2 * k + 2]).item() for k in range(4)]
+    got = shoal.compile(fwd_bwd, micro_batches=4)(a, x)
+    assert [t.item() for t in got] == pytest.approx(want, rel=1e-6)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert_same_value(p.grad, q.grad.full(), rtol=1e-6, atol=1e-7)
+
+
+def test_two_stage_pipeline_overlaps_micro_batches(tmp_path):
+    """Two sub-meshes, 4 micro-batches: stage 0 works on micro-batch k+1 while stage 1 works on k."""
+    s0, s1 = shoal.Mesh([0]), shoal.Mesh([1])
+
+    def stage(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
+
+    ref0, ref1 = stage(0), stage(1)
+    m0 = shoal.distribute_module(stage(0), s0, reduce_gradients=False)
+    m1 = shoal.distribute_module(stage(1), s1, reduce_gradients=False)
+
+    def pipe(m0, m1, x):
+        h = m0(x).to_global(s1, shoal.B)  # the stage boundary
+        return m1(h).sum()
+
+    x = torch.randn(4 * 256, 256)
+    compiled = shoal.compile(pipe, micro_batches=4)
+    with torch.no_grad():
+        for _ in range(3):
+            outs = compiled(m0, m1, shoal.to_global(x, s0, shoal.B))
+        for k, o in enumerate(outs):
+            assert_same_value(o, ref1(ref0(x[256 * k:256 * (k + 1)])).sum(), rtol=1e-4, atol=1e-3)
+    fired = {(f.thread, f.piece): f for f in compiled.timeline}
+    overlaps = [
+        k for k in range(3)
+        if ("dev0", k + 1) in fired and ("dev1", k) in fired
+        and fired["dev0", k + 1].start < fired["dev1", k].end and fired["dev1", k].start < fired["dev0", k + 1].end
+    ]
+    assert overlaps, f"no overlap in {sorted((f.thread, f.piece, f.start, f.end) for f in compiled.timeline)}"
+    compiled.trace(str(tmp_path / "pipe.json"))
+
+
+def test_inductor_backend_matches():
+    model, opt = build("gpt", "one")
+    ref, ref_opt = build("gpt", "one")
+    compiled = shoal.compile(step, backend="inductor")
+    for x, y in batches("gpt")[:3]:
+        assert compiled(model, opt, x, y).item() == pytest.approx(step(ref, ref_opt, x, y).item(), rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same_value(p.detach(), q.detach().full(), rtol=1e-5, atol=5e-6)
+
+
+_ = (bert, resnet)
