@@ -249,3 +249,17 @@ def test_inductor_backend_matches():
 
 
 _ = (bert, resnet)
+
+
+def test_learning_rate_schedule_does_not_retrace():
+    eager, eager_opt = build("gpt", "dp")
+    model, opt = build("gpt", "dp")
+    compiled = shoal.compile(step)
+    for k, (x, y) in enumerate(batches("gpt")[:4]):
+        for o in (eager_opt, opt):
+            o.param_groups[0]["lr"] = 1e-3 * (k + 1)
+        assert compiled(model, opt, x, y).item() == pytest.approx(step(eager, eager_opt, x, y).item(), rel=1e-5)
+        assert isinstance(opt.param_groups[0]["lr"], float)
+    assert compiled.traces == 2  # the first step, and the step once the optimizer state exists
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert_same_value(p.detach(), q.detach().full(), rtol=1e-5, atol=5e-6)

@@ -74,7 +74,10 @@ class CompiledStep:
             g = capture(self.fn, targs, tkwargs)
             if self.passes:
                 run_passes(g)
-            plan = lower(g, self.backend)
+            # a step that creates state (an optimizer's first step) runs once with this structure:
+            # not worth an inductor compile
+            creates = any(s.before is None and s.after is not None for s in g.slots)
+            plan = lower(g, None if creates else self.backend)
             entry = self._cache[key] = (g, plan, Runtime(plan, self.registers))
             self.compile_seconds = time.perf_counter() - t0
             self.traces += 1
@@ -128,6 +131,8 @@ def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -
 
 def _bind(g: Graph, plan: Plan, args, kwargs) -> dict:
     env = dict(g.constants)
+    for owner, key, lid, dtype in g.scalars:
+        env[lid] = torch.tensor(owner[key], dtype=dtype)
     written = plan.written
     objs = leaves(args, kwargs)
     for i, _, v in g.inputs:

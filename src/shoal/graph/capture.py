@@ -23,6 +23,13 @@ __all__ = ["capture", "guard_key", "state_slots"]
 _SKIP_GROUP_KEYS = ("params", "capturable", "foreach")
 
 
+def _group_key(grp: dict) -> tuple:
+    """A param group's settings; a float learning rate the capturable path reads as a tensor input
+    is left out (it may change every step without a retrace)."""
+    skip = _SKIP_GROUP_KEYS + (("lr",) if "capturable" in grp and isinstance(grp.get("lr"), float) else ())
+    return tuple((k, v) for k, v in grp.items() if k not in skip)
+
+
 def _walk(obj, path: str, out: list) -> None:
     if isinstance(obj, (list, tuple)):
         for i, e in enumerate(obj):
@@ -79,23 +86,31 @@ def state_slots(objs) -> list[Slot]:
 
 
 def guard_key(args: tuple, kwargs: dict) -> tuple:
-    """What a captured graph depends on besides the values of its tensors."""
+    """What a captured graph depends on besides the values of its tensors: the arguments' shapes,
+    dtypes, meshes and layouts, which state exists and its layouts, optimizer settings. (Called
+    every step: kept cheap.)"""
     key = []
     objs = leaves(args, kwargs)
     for path, o in objs:
         if isinstance(o, torch.Tensor):
-            key.append((path, _tensor_key(o)))
+            key.append(_tensor_key(o))
         elif isinstance(o, nn.Module):
-            key.append((path, type(o), o.training))
+            key.append((type(o), o.training))
+            for p in o.parameters():
+                key.append(_tensor_key(p))
+                key.append(None if p.grad is None else _tensor_key(p.grad))
+            key.extend(_tensor_key(b) for b in o.buffers())
         elif isinstance(o, torch.optim.Optimizer):
-            groups = tuple(tuple((k, v) for k, v in sorted(g.items()) if k not in _SKIP_GROUP_KEYS)
-                           for g in o.param_groups)
-            key.append((path, type(o), _hashable(groups)))
+            key.append(type(o))
+            for g in o.param_groups:
+                key.append(_hashable(_group_key(g)))
+                for p in g["params"]:
+                    key.append(None if p.grad is None else _tensor_key(p.grad))
+                    st = o.state.get(p)
+                    key.append(tuple((k, _tensor_key(v) if isinstance(v, torch.Tensor) else type(v))
+                                     for k, v in st.items()) if st else None)
         else:
             key.append((path, _hashable(o)))
-    for s in state_slots(objs):
-        v = s.get()
-        key.append((s.label, None if v is None else _tensor_key(v)))
     return tuple(key)
 
 
@@ -112,25 +127,31 @@ def _hashable(o):
 
 
 @contextlib.contextmanager
-def _optimizers_traceable(opts):
+def _optimizers_traceable(opts, tr: Tracer, g: Graph):
     """Optimizers take their capturable foreach path while traced: step counters and bias
-    corrections as tensor ops (re-run every step), not Python floats read with .item()."""
+    corrections as tensor ops (re-run every step), not Python floats read with .item(). Where that
+    path takes a tensor learning rate, the rate is an input of the graph (a schedule changing it
+    every step does not retrace), read from the param group at every call."""
     saved = []
     for o in opts:
-        for g in o.param_groups:
-            saved.append((g, {k: g[k] for k in ("capturable", "foreach") if k in g}))
-            if "capturable" in g:
-                g["capturable"] = True
-            if "foreach" in g:
-                g["foreach"] = True
+        for grp in o.param_groups:
+            saved.append((grp, {k: grp[k] for k in ("capturable", "foreach", "lr") if k in grp}))
+            if "capturable" in grp:
+                grp["capturable"] = True
+                if isinstance(grp.get("lr"), float):
+                    lr = torch.tensor(grp["lr"], dtype=torch.float64)
+                    g.scalars.append((grp, "lr", tr.host_input(lr), lr.dtype))
+                    grp["lr"] = lr
+            if "foreach" in grp:
+                grp["foreach"] = True
     prev = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
         yield
     finally:
         torch.compiler._is_compiling_flag = prev
-        for g, kv in saved:
-            g.update(kv)
+        for grp, kv in saved:
+            grp.update(kv)
 
 
 def capture(fn, args: tuple, kwargs: dict) -> Graph:
@@ -173,7 +194,7 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
                     raise TraceError(f"shoal.compile: {path} is a plain tensor that requires grad; "
                                      "pass GlobalTensors or tensors without grad")
                 g.inputs.append((i, path, tr.host_input(o)))
-        with tr.patched(), _optimizers_traceable(opts), tr:
+        with tr.patched(), _optimizers_traceable(opts, tr, g), tr:
             out = fn(*args, **kwargs)
         g.outputs = _out_refs(tr, out, g)
         # state after the step, including state it created (an optimizer's first step)

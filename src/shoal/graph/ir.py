@@ -130,6 +130,7 @@ class Graph:
     outputs: object = None  # the result's structure: Value / host Local id (as Ref) / constants
     out_refs: list = field(default_factory=list)  # Values and host Refs the result holds
     constants: dict = field(default_factory=dict)  # Local id -> a tensor captured at trace time
+    scalars: list = field(default_factory=list)  # (dict, key, host Local id, dtype): a number read at every call
     devices: tuple = ()  # devices with ops, in order
     notes: list = field(default_factory=list)  # what the passes did, for the listing
 

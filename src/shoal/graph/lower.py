@@ -73,6 +73,7 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     readers: dict = {}  # base -> set of task ids since the last write
     base = {lid: loc.base for lid, loc in g.locals.items()}
     last_comm = None
+    consumed: set = set()  # host segments some device segment depends on
     for op in g.ops:
         if op.kind == "comm":
             for d in op.devices:
@@ -86,9 +87,12 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
             if key != "host" and key not in local_devices:
                 continue
             t = cur.get(key)
-            if t is None:
+            if t is None or (key == "host" and t.id in consumed):
+                # host work devices already wait for ends its segment: later host work runs alongside them
                 t = cur[key] = new("host" if key == "host" else "compute", None if key == "host" else key)
         deps = _deps(op, base, writer, readers, producer, static)
+        if op.kind != "host":
+            consumed |= {d for d in deps if tasks[d].kind == "host"}
         if any(d > t.id for d in deps) and t.kind != "comm":  # keep the task graph acyclic: start a new segment
             t = cur[t.device if t.kind == "compute" else "host"] = new(t.kind, t.device)
         deps.discard(t.id)
@@ -146,6 +150,8 @@ def _static_locals(g: Graph):
     for s in g.slots:
         yield from _lid_of(s.before)
     yield from g.constants
+    for *_, lid, _ in g.scalars:
+        yield lid
 
 
 def _lid_of(v) -> tuple:

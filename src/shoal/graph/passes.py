@@ -42,6 +42,7 @@ def _observed(g: Graph) -> tuple[set, set]:
     for _, _, v in g.inputs:
         persistent |= _bases(g, _lids(v))
     persistent |= _bases(g, g.constants)
+    persistent |= _bases(g, [lid for *_, lid, _ in g.scalars])
     return lids, persistent | _bases(g, lids)
 
 

@@ -20,6 +20,7 @@ def verify(g: Graph, after: str = "") -> None:
         defined |= set(_lids(v))
     for s in g.slots:
         defined |= set(_lids(s.before))
+    defined |= {lid for *_, lid, _ in g.scalars}
     made: set = set()
     for i, op in enumerate(g.ops):
         for x in (*op.reads, *op.writes):

@@ -14,11 +14,14 @@ import contextlib
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 __all__ = ["Actor", "Runtime", "Firing"]
+
+_SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many small ops starve the others
 
 
 @dataclass(slots=True)
@@ -122,19 +125,12 @@ class Runtime:
         self._error = None
         self.timeline = []
         self._t0 = time.perf_counter()
-        with self._lock:
-            for a in self._actors:
-                a.next = a.done = a.freed = 0
-                a.regs = {}
-                a.busy = False
-            self._left = len(self._actors) * pieces
-            for a in self._actors:
-                self._try(a)
-            last = self._left
-            while self._left and self._error is None:
-                if not self._cv.wait(timeout=self.timeout) and self._left == last:
-                    self._error = TimeoutError(self._stuck())
-                last = self._left
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(_SWITCH)  # hand the GIL between actor threads often, so that they overlap
+        try:
+            self._run_all()
+        finally:
+            sys.setswitchinterval(switch)
         if self._error is not None:
             err, self._error = self._error, None
             self.close()  # a failed run leaves half-done firings behind: start over next time
@@ -143,6 +139,21 @@ class Runtime:
         for r in self._results:
             final.update(r)
         return self._results, final
+
+    def _run_all(self) -> None:
+        with self._lock:
+            for a in self._actors:
+                a.next = a.done = a.freed = 0
+                a.regs = {}
+                a.busy = False
+            self._left = len(self._actors) * self._pieces
+            for a in self._actors:
+                self._try(a)
+            last = self._left
+            while self._left and self._error is None:
+                if not self._cv.wait(timeout=self.timeout) and self._left == last:
+                    self._error = TimeoutError(self._stuck())
+                last = self._left
 
     def _stuck(self) -> str:
         lines = [f"shoal runtime: no progress in {self.timeout:.0f} s; actors not finished:"]
