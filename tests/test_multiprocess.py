@@ -72,3 +72,11 @@ def test_shoal_train_gpt_under_shoal_run_matches_one_process(tmp_path):
     la, lb = (x["losses"] if isinstance(x, dict) else x for x in (a, b))
     assert len(la) == 3
     torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_compiled_step_across_processes_matches_eager():
+    code, out, _ = shoal_run(2, 2, "graph_worker.py")
+    assert code == 0, out[-4000:]
+    for r in range(2):
+        assert f"OK rank {r} of 2 x 2 devices" in out
