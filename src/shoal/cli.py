@@ -76,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
         help="override a model config field, e.g. --set n_layer=2 --set n_embd=64 (repeatable)",
     )
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    t.add_argument("--compile", action="store_true", help="run each step as a compiled graph (shoal.compile)")
     sub.add_parser(
         "run",
         help="run a script on P processes (torchrun): shoal run -n P [--devices-per-process K] script.py ...",

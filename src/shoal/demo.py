@@ -1,11 +1,11 @@
 """``python -m shoal.demo`` (``make demo``): a GPT trained on 4 virtual devices, data x tensor parallel.
 
-The same run as ``shoal train gpt --devices 4 --mesh 2x2 --plan dp,tp``, sized for about three
-minutes on 2 CPU threads: the characters of Python's own standard library, Megatron tensor
-parallel inside each pair of devices, data parallel across the pairs. Then the first steps are
-trained again in plain single-device torch: their losses must be the same (a plan changes cost,
-never values), and the loss must have clearly fallen. Exits 1 otherwise.
-"""
+The same run as ``shoal train gpt --devices 4 --mesh 2x2 --plan dp,tp --compile``, sized for about
+three minutes on 2 CPU threads: each step is a compiled graph run by the actor runtime, on the
+characters of Python's own standard library, Megatron tensor parallel inside each pair of devices,
+data parallel across the pairs. Then the first steps are trained again in plain single-device torch:
+their losses must be the same (a plan changes cost, never values), and the loss must have clearly
+fallen. Exits 1 otherwise."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ DEMO = TrainConfig(
     threads=2,
     every=25,
     model_args={"block_size": 64},
+    compile=True,
 )
 
 
@@ -35,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=DEMO.threads)
     ap.add_argument("--check", type=int, default=3, help="steps retrained in plain torch and compared")
     ap.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance against single-device")
+    ap.add_argument("--eager", action="store_true", help="run the steps eagerly instead of as a compiled graph")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    cfg = dataclasses.replace(DEMO, steps=args.steps, threads=args.threads)
+    cfg = dataclasses.replace(DEMO, steps=args.steps, threads=args.threads, compile=not args.eager)
     run = train(cfg)
     check = min(args.check, args.steps)
-    plain = dataclasses.replace(cfg, plan="none", stop_after=check, save=False, progress=False, sample=0, verbose=False)
+    plain = dataclasses.replace(cfg, plan="none", stop_after=check, save=False, progress=False, sample=0, verbose=False,
+                                compile=False)
     ref = train(plain)
 
     print()

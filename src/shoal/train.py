@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .data import CharData, Stripes
 from .dispatch import coverage
+from .graph.api import compile as compile_step
 from .mesh import Mesh
 from .models import bert, gpt, kinds, resnet
 from .parallel import Plan, distribute_module, memory_per_device, shard_optimizer_state
@@ -69,6 +70,7 @@ class TrainConfig:
     sample: int = 300  # GPT: characters generated at the end (0: none)
     progress: bool = True  # a tqdm progress bar
     verbose: bool = True  # print the plan, the loss every ``every`` steps and a summary
+    compile: bool = False  # run the step as a compiled graph (shoal.compile) instead of eagerly
 
 
 @dataclass
@@ -199,6 +201,15 @@ def gather(model: nn.Module) -> nn.Module:
     return plain
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x, y):
+    """One training step: forward, backward, update. The loop runs it eagerly, or compiled."""
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def train(cfg: TrainConfig) -> Result:
     check(cfg)
     if cfg.threads:
@@ -232,13 +243,15 @@ def train(cfg: TrainConfig) -> Result:
         n = cfg.steps if cfg.stop_after is None else min(cfg.stop_after, cfg.steps)
         # disable=None: no bar when the output is not a terminal (logs, CI)
         bar = tqdm(range(n), desc=f"{cfg.model} {cfg.plan}", unit="step", disable=None if cfg.progress else True)
+        run_step = train_step
+        if cfg.compile:
+            if shape is None:
+                raise ValueError("shoal train: --compile needs a plan (graph mode runs GlobalTensors); not --plan none")
+            run_step = compile_step(train_step)
         for step in bar:
             model.train()
             x, y = batches("train", gen)
-            _, loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = run_step(model, opt, x, y)
             schedule.step()
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
@@ -294,6 +307,7 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
         where = "plain torch on one device"
     else:
         where = f"plan {cfg.plan} on mesh {'x'.join(map(str, shape))} ({cfg.devices} virtual devices)"
+        where += ", each step a compiled graph" if cfg.compile else ", eager"
     print(f"shoal train: {cfg.model} ({params / 1e6:.2f}M parameters; {mcfg})")
     print(f"  {where}; batch {cfg.batch}, {cfg.steps} steps, seed {cfg.seed}, {torch.get_num_threads()} thread(s)")
     print(f"  {cfg.optimizer}, lr {lr:g} after {warm} warmup steps, cosine decay to {lr / 10:g}")

@@ -35,7 +35,8 @@ class CompiledStep:
         self.registers, self.passes = registers, passes
         self._cache: dict = {}
         self._last = None
-        self.compile_seconds = 0.0
+        self.compile_seconds = 0.0  # the last trace and compile
+        self.compile_seconds_total = 0.0  # every one so far
         self.traces = 0
         functools.update_wrapper(self, fn)
 
@@ -80,6 +81,7 @@ class CompiledStep:
             plan = lower(g, None if creates else self.backend)
             entry = self._cache[key] = (g, plan, Runtime(plan, self.registers))
             self.compile_seconds = time.perf_counter() - t0
+            self.compile_seconds_total += self.compile_seconds
             self.traces += 1
             g.notes.append(f"compiled in {self.compile_seconds:.2f} s; {len(plan.tasks)} tasks; planned peak "
                            f"bytes per device {plan.peak_bytes}")

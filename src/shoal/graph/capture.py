@@ -23,10 +23,15 @@ __all__ = ["capture", "guard_key", "state_slots"]
 _SKIP_GROUP_KEYS = ("params", "capturable", "foreach")
 
 
-def _group_key(grp: dict) -> tuple:
-    """A param group's settings; a float learning rate the capturable path reads as a tensor input
-    is left out (it may change every step without a retrace)."""
-    skip = _SKIP_GROUP_KEYS + (("lr",) if "capturable" in grp and isinstance(grp.get("lr"), float) else ())
+def _lr_is_input(opt, grp: dict) -> bool:
+    """Optimizers whose traced path takes a tensor learning rate (capturable ones, and SGD's foreach
+    path under a compiler) read it as a graph input: a schedule changing it needs no retrace."""
+    return isinstance(grp.get("lr"), float) and ("capturable" in grp or isinstance(opt, torch.optim.SGD))
+
+
+def _group_key(opt, grp: dict) -> tuple:
+    """A param group's settings, but a learning rate that is a graph input."""
+    skip = _SKIP_GROUP_KEYS + (("lr",) if _lr_is_input(opt, grp) else ())
     return tuple((k, v) for k, v in grp.items() if k not in skip)
 
 
@@ -103,7 +108,7 @@ def guard_key(args: tuple, kwargs: dict) -> tuple:
         elif isinstance(o, torch.optim.Optimizer):
             key.append(type(o))
             for g in o.param_groups:
-                key.append(_hashable(_group_key(g)))
+                key.append(_hashable(_group_key(o, g)))
                 for p in g["params"]:
                     key.append(None if p.grad is None else _tensor_key(p.grad))
                     st = o.state.get(p)
@@ -138,10 +143,10 @@ def _optimizers_traceable(opts, tr: Tracer, g: Graph):
             saved.append((grp, {k: grp[k] for k in ("capturable", "foreach", "lr") if k in grp}))
             if "capturable" in grp:
                 grp["capturable"] = True
-                if isinstance(grp.get("lr"), float):
-                    lr = torch.tensor(grp["lr"], dtype=torch.float64)
-                    g.scalars.append((grp, "lr", tr.host_input(lr), lr.dtype))
-                    grp["lr"] = lr
+            if _lr_is_input(o, grp):
+                lr = torch.tensor(grp["lr"], dtype=torch.float64)
+                g.scalars.append((grp, "lr", tr.host_input(lr), lr.dtype))
+                grp["lr"] = lr
             if "foreach" in grp:
                 grp["foreach"] = True
     prev = torch.compiler._is_compiling_flag
@@ -152,6 +157,15 @@ def _optimizers_traceable(opts, tr: Tracer, g: Graph):
         torch.compiler._is_compiling_flag = prev
         for grp, kv in saved:
             grp.update(kv)
+
+
+def _same_random_state():
+    """The random generators as they were before, afterwards."""
+    from ..world import world
+
+    w = world()
+    cuda = [w.torch_device(d).index for d in w.local_devices] if w.device_type == "cuda" else []
+    return torch.random.fork_rng(devices=cuda)
 
 
 def capture(fn, args: tuple, kwargs: dict) -> Graph:
@@ -194,7 +208,8 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
                     raise TraceError(f"shoal.compile: {path} is a plain tensor that requires grad; "
                                      "pass GlobalTensors or tensors without grad")
                 g.inputs.append((i, path, tr.host_input(o)))
-        with tr.patched(), _optimizers_traceable(opts, tr, g), tr:
+        # the trace draws random numbers for real (host work runs): the step itself must draw the same
+        with _same_random_state(), tr.patched(), _optimizers_traceable(opts, tr, g), tr:
             out = fn(*args, **kwargs)
         g.outputs = _out_refs(tr, out, g)
         # state after the step, including state it created (an optimizer's first step)

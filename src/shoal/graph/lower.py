@@ -63,9 +63,15 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
         if op.kind == "comm":
             op.share_out = not any(g.locals[x].base in written for x in op.out_ids)
 
+    last_host = [None]
+
     def new(kind, device):
         t = Task(len(tasks), kind, device)
         tasks.append(t)
+        if kind == "host":  # host segments run in program order: random draws as in eager
+            if last_host[0] is not None:
+                t.deps.add((last_host[0], 0))
+            last_host[0] = t.id
         return t
 
     cur: dict = {}  # executor (device or "host") -> current segment
