@@ -20,7 +20,7 @@ from .trace import TraceError, Tracer
 
 __all__ = ["capture", "guard_key", "state_slots"]
 
-_SKIP_GROUP_KEYS = ("params", "capturable", "foreach")
+_SKIP_GROUP_KEYS = ("params", "capturable", "foreach", "fused")
 
 
 def _lr_is_input(opt, grp: dict) -> bool:
@@ -131,23 +131,41 @@ def _hashable(o):
         return ("id", id(o))
 
 
+def _fusable(opt, grp: dict) -> bool:
+    """Adam(W) can take its fused kernel (one op for every parameter) where each parameter's state is
+    laid out as the parameter (not under ZeRO, which splits the state only)."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or "fused" not in grp or grp.get("differentiable"):
+        return False
+    for p in grp["params"]:
+        if not isinstance(p, GlobalTensor) or not p.dtype.is_floating_point or p.is_complex():
+            return False
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, GlobalTensor) and (v._spec.mesh != p._spec.mesh or v._spec.sbp != p._spec.sbp):
+                return False
+    return True
+
+
 @contextlib.contextmanager
 def _optimizers_traceable(opts, tr: Tracer, g: Graph):
-    """Optimizers take their capturable foreach path while traced: step counters and bias
-    corrections as tensor ops (re-run every step), not Python floats read with .item(). Where that
-    path takes a tensor learning rate, the rate is an input of the graph (a schedule changing it
-    every step does not retrace), read from the param group at every call."""
+    """Optimizers take a path without Python floats read from tensors while traced: Adam(W)'s fused
+    kernel, else the capturable foreach path (step counters and bias corrections as tensor ops,
+    re-run every step). Where that path takes a tensor learning rate, the rate is an input of the
+    graph (a schedule changing it every step does not retrace), read from the param group at every
+    call."""
     saved = []
     for o in opts:
         for grp in o.param_groups:
-            saved.append((grp, {k: grp[k] for k in ("capturable", "foreach", "lr") if k in grp}))
+            saved.append((grp, {k: grp[k] for k in ("capturable", "foreach", "fused", "lr") if k in grp}))
+            fused = _fusable(o, grp)
             if "capturable" in grp:
                 grp["capturable"] = True
             if _lr_is_input(o, grp):
                 lr = torch.tensor(grp["lr"], dtype=torch.float64)
                 g.scalars.append((grp, "lr", tr.host_input(lr), lr.dtype))
                 grp["lr"] = lr
-            if "foreach" in grp:
+            if fused:
+                grp["fused"], grp["foreach"], grp["capturable"] = True, False, False
+            elif "foreach" in grp:
                 grp["foreach"] = True
     prev = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True

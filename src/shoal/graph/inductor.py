@@ -68,6 +68,9 @@ def compile_segment(t, g: Graph):
     """The segment compiled by inductor, or None (then it runs as generated Python)."""
     from torch._inductor.compile_fx import compile_fx
 
+    if any(getattr(op.fn, "_schema", None) is not None and op.fn._schema.name.startswith("aten::_fused_")
+           for op in t.ops):
+        return None  # a fused optimizer kernel is one kernel already (and inductor cannot functionalize it)
     dev = world().torch_device(t.device)
     try:
         gm = _to_fx(t, g, dev)

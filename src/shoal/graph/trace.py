@@ -37,17 +37,26 @@ _DATA_DEPENDENT = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.eq
 _COMM_FNS = ("all_gather", "all_reduce", "all_reduce_start", "reduce_scatter", "all_to_all", "transfer")
 
 
+# frames between a reading library function and the tracer: not worth naming
+_PLUMBING = ("/shoal/graph/", "/shoal/dispatch.py", "/_python_dispatch.py", "/_ops.py", "/_dynamo/", "/_compile.py")
+
+
 class TraceError(RuntimeError):
     pass
 
 
 def user_line() -> str:
-    """The innermost frame of the user's code (outside torch and shoal), as 'file:line: code'."""
+    """The innermost frame of the user's code (outside torch and shoal), as 'file:line: code', and
+    the library function below it that did the reading, if any."""
+    inner = None
     for fr in reversed(traceback.extract_stack()):
         f = os.path.abspath(fr.filename)
         if f.startswith(_SHOAL_DIR) or f.startswith(_TORCH_DIR) or "/contextlib.py" in f:
+            if inner is None and not any(s in f for s in _PLUMBING):
+                inner = fr
             continue
-        return f"{fr.filename}:{fr.lineno}: {fr.line}"
+        via = f"\n  (in {inner.filename}:{inner.lineno} {inner.name})" if inner is not None else ""
+        return f"{fr.filename}:{fr.lineno}: {fr.line}{via}"
     return "<unknown>"
 
 

@@ -84,7 +84,7 @@ class _Args:
 
 def _base(func) -> tuple[str, str, bool]:
     """(name without ``_foreach_`` and trailing ``_``, overload, in place)."""
-    name = func._schema.name.split("::")[1][len("_foreach_") :]
+    name = func._schema.name.split("::")[1].removeprefix("_foreach_")
     inplace = name.endswith("_")
     base = name[:-1] if inplace and name not in _INPLACE_ONLY else name
     return base, func._overloadname, inplace
@@ -234,6 +234,44 @@ def _register_pointwise() -> list:
 
 
 FOREACH_OPS = _register_pointwise()
+
+# The fused optimizers' one-kernel update (``torch.optim.AdamW(fused=True)``): elementwise per list
+# index, every list (and each 0-dim step count) in the layout of the parameter it updates.
+FUSED_OPTIMIZER_OPS = [aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr, aten._fused_adam_.default,
+                       aten._fused_adam_.tensor_lr]
+_FUSED_WRITES = 5  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+
+
+def _fused_local(call: Call, ins, outs):
+    """The kernel walks each tensor's memory as if contiguous; a split along a later dim is a strided
+    view: run on contiguous copies of such shards and write them back."""
+    _inplace_local(call, ins, outs)
+    func = call.func
+
+    def run(shard, *args, **kwargs):
+        args, back = list(args), []
+        for k in range(_FUSED_WRITES):
+            lst = list(args[k])
+            for i, t in enumerate(lst):
+                if not t.is_contiguous():
+                    lst[i] = t.contiguous()
+                    back.append((t, lst[i]))
+            args[k] = lst
+        func(*args, **kwargs)
+        for t, c in back:
+            t.copy_(c)
+
+    return run
+
+
+for _op in FUSED_OPTIMIZER_OPS:
+    register(_op, Rule(_foreach, nd=True, local=_fused_local, local_ctx=True, name="fused_optimizer"))
+
+# torch 2.13 has no meta kernel for the tensor-lr overloads (in place, nothing returned): dispatch
+# decides layouts on meta tensors and graph mode traces on them
+_META = torch.library.Library("aten", "IMPL")
+for _name in ("_fused_adamw_.tensor_lr", "_fused_adam_.tensor_lr"):
+    _META.impl(_name, lambda *args, **kwargs: None, "Meta")
 
 
 def _other_pointwise_foreach(op) -> bool:
@@ -395,6 +433,17 @@ def _sample(base: str, overload: str, inplace: bool):
 
 
 SAMPLES = {op: (lambda op=op: _sample(*_base(op))) for op in FOREACH_OPS}
+def _adam_sample(tensor_lr: bool):
+    lr = torch.tensor(0.01, dtype=torch.float64) if tensor_lr else 0.01
+    kw = {"lr": lr, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "eps": 1e-8, "amsgrad": False,
+          "maximize": False}
+    lists = ([_r(5, 3), _r(2)], [_r(5, 3), _r(2)], [_r(5, 3), _r(2)], [_pos(5, 3), _pos(2)], [],
+             [torch.tensor(3.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)])
+    return [(lists, kw)]
+
+
+for _op in FUSED_OPTIMIZER_OPS:
+    SAMPLES[_op] = lambda op=_op: _adam_sample(op._overloadname == "tensor_lr")
 SAMPLES[aten._foreach_norm.Scalar] = lambda: [
     (([_r(5, 3), _r(2), _r(7)],), {}),
     (([_r(5, 3), _r(2)], 1), {}),
