@@ -49,7 +49,9 @@ class CompiledStep:
 
     @property
     def plan(self) -> Plan:
-        return self.graph and self._last[1]
+        """The lowered plan of the last call (``print`` it for its tasks and dependencies)."""
+        self.graph  # noqa: B018 - raises if nothing was compiled yet
+        return self._last[1]
 
     def trace(self, path: str) -> None:
         """Write the runtime's last step as a Chrome/Perfetto trace (open in ui.perfetto.dev)."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..tensor import GlobalTensor
-from .ir import Graph, Ref, Slot, Value
+from .ir import Graph, Ref, Slot
 from .trace import TraceError, Tracer
 
 __all__ = ["capture", "guard_key", "state_slots"]
@@ -287,6 +287,3 @@ def _out_refs(tr: Tracer, out, g: Graph):
         return {k: _out_refs(tr, e, g) for k, e in out.items()}
     return out
 
-
-def is_value(o) -> bool:
-    return isinstance(o, Value)

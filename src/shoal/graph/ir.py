@@ -17,7 +17,7 @@ import torch
 from ..sbp import sbp_str
 from ..spec import TensorSpec
 
-__all__ = ["Local", "Ref", "Op", "Value", "Node", "Slot", "Graph"]
+__all__ = ["Local", "Ref", "Op", "Value", "Node", "Slot", "Graph", "local_ids"]
 
 
 @dataclass(eq=False, slots=True)
@@ -192,3 +192,14 @@ class Graph:
         if isinstance(o, (list, tuple)):
             return "(" + ", ".join(self._describe_out(e) for e in o) + ")"
         return repr(o)
+
+
+def local_ids(v) -> tuple[int, ...]:
+    """The Locals a Value (this process's shards), a Ref or a host Local id stands for."""
+    if isinstance(v, Value):
+        return tuple(x for x in v.locals if x is not None)
+    if isinstance(v, Ref):
+        return (v.id,)
+    if isinstance(v, int):
+        return (v,)
+    return ()

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..world import world
-from .ir import Graph, Op, Ref, Value
+from .ir import Graph, Op, Ref, local_ids
 from .trace import DEVICE
 
 __all__ = ["Task", "Plan", "lower"]
@@ -50,6 +48,9 @@ class Plan:
     static: set  # Local ids bound before the run (inputs, state, constants)
     written: set  # storages (base Local ids) some op writes in place
     peak_bytes: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return describe(self)
 
 
 def lower(g: Graph, backend: str | None = None) -> Plan:
@@ -111,7 +112,7 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     # state a piece leaves behind is what the next piece reads
     rebind = {}
     for s in g.slots:
-        b, a = _lid_of(s.before), _lid_of(s.after)
+        b, a = local_ids(s.before), local_ids(s.after)
         for bl, al in zip(b, a):
             if bl is not None and al is not None and bl != al:
                 rebind[bl] = al
@@ -120,9 +121,9 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     # imports and exports
     needed_out = set()
     for v in g.out_refs:
-        needed_out |= set(_lid_of(v))
+        needed_out |= set(local_ids(v))
     for s in g.slots:
-        needed_out |= set(_lid_of(s.after))
+        needed_out |= set(local_ids(s.after))
     needed_out.discard(None)
     exported: dict[int, set] = {}
     for t in tasks:
@@ -152,22 +153,12 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
 
 def _static_locals(g: Graph):
     for _, _, v in g.inputs:
-        yield from _lid_of(v)
+        yield from local_ids(v)
     for s in g.slots:
-        yield from _lid_of(s.before)
+        yield from local_ids(s.before)
     yield from g.constants
     for *_, lid, _ in g.scalars:
         yield lid
-
-
-def _lid_of(v) -> tuple:
-    if v is None:
-        return ()
-    if isinstance(v, Value):
-        return tuple(x for x in v.locals if x is not None)
-    if isinstance(v, Ref):
-        return (v.id,)
-    return (v,)
 
 
 def _deps(op: Op, base, writer, readers, producer, static) -> set:
@@ -387,10 +378,10 @@ def _peak_bytes(g: Graph, tasks) -> dict:
     peak: dict = {}
     kept = set()
     for s in g.slots:
-        kept |= {g.locals[x].base for x in _lid_of(s.after) if x is not None}
-        kept |= {g.locals[x].base for x in _lid_of(s.before) if x is not None}
+        kept |= {g.locals[x].base for x in local_ids(s.after) if x is not None}
+        kept |= {g.locals[x].base for x in local_ids(s.before) if x is not None}
     for _, _, v in g.inputs:
-        kept |= {g.locals[x].base for x in _lid_of(v)}
+        kept |= {g.locals[x].base for x in local_ids(v)}
     for lid in kept:
         loc = g.locals[lid]
         if loc.device is not None:
@@ -410,6 +401,7 @@ def _peak_bytes(g: Graph, tasks) -> dict:
 
 
 def describe(plan: Plan) -> str:
+    """The tasks, their dependencies (``@-1``: on the previous piece) and what they pass on."""
     lines = [f"plan: {len(plan.tasks)} tasks"]
     for t in plan.tasks:
         deps = ", ".join(f"{d}{'@-1' if o else ''}" for d, o in sorted(t.deps))
@@ -417,5 +409,3 @@ def describe(plan: Plan) -> str:
                      f"out {len(t.exports)}")
     return "\n".join(lines)
 
-
-_ = torch  # torch types appear in generated code's constants

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .ir import Graph, Op, Ref, Value
+from .ir import Graph, Op, Ref, local_ids
 from .verify import verify
 
 __all__ = ["run_passes", "dead_code", "common_subexpressions", "bucket_collectives", "PASSES"]
@@ -19,28 +19,18 @@ def _bases(g: Graph, lids) -> set:
     return {g.locals[x].base for x in lids if x is not None}
 
 
-def _lids(v) -> list:
-    if isinstance(v, Value):
-        return [x for x in v.locals if x is not None]
-    if isinstance(v, Ref):
-        return [v.id]
-    if isinstance(v, int):
-        return [v]
-    return []
-
-
 def _observed(g: Graph) -> tuple[set, set]:
     """Locals the caller gets back, and storages that outlive the step (state, inputs)."""
     lids: set = set()
     for v in g.out_refs:
-        lids |= set(_lids(v))
+        lids |= set(local_ids(v))
     for s in g.slots:
-        lids |= set(_lids(s.after))
+        lids |= set(local_ids(s.after))
     persistent = set()
     for s in g.slots:
-        persistent |= _bases(g, _lids(s.before))
+        persistent |= _bases(g, local_ids(s.before))
     for _, _, v in g.inputs:
-        persistent |= _bases(g, _lids(v))
+        persistent |= _bases(g, local_ids(v))
     persistent |= _bases(g, g.constants)
     persistent |= _bases(g, [lid for *_, lid, _ in g.scalars])
     return lids, persistent | _bases(g, lids)

@@ -405,6 +405,3 @@ def _written(func, args, kwargs, tr: Tracer) -> list[int]:
                     out.append(lid)
     return out
 
-
-def world_devices() -> tuple[int, ...]:
-    return tuple(world().local_devices)

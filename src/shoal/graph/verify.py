@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .ir import Graph, Ref, Value
+from .ir import Graph, Ref, local_ids
 
 __all__ = ["verify", "VerifyError"]
 
@@ -17,9 +17,9 @@ def verify(g: Graph, after: str = "") -> None:
     where = f" (after {after})" if after else ""
     defined = set(g.constants)
     for _, _, v in g.inputs:
-        defined |= set(_lids(v))
+        defined |= set(local_ids(v))
     for s in g.slots:
-        defined |= set(_lids(s.before))
+        defined |= set(local_ids(s.before))
     defined |= {lid for *_, lid, _ in g.scalars}
     made: set = set()
     for i, op in enumerate(g.ops):
@@ -49,11 +49,11 @@ def verify(g: Graph, after: str = "") -> None:
                     raise VerifyError(f"host op #{i} {op.name()} touches device Local {x}{where}")
         _check_refs(op, i, where)
     for v in g.out_refs:
-        for x in _lids(v):
+        for x in local_ids(v):
             if x not in defined:
                 raise VerifyError(f"an output reads Local {x}, which no op makes{where}")
     for s in g.slots:
-        for x in _lids(s.after):
+        for x in local_ids(s.after):
             if x not in defined:
                 raise VerifyError(f"state {s.label} is left as Local {x}, which no op makes{where}")
 
@@ -72,13 +72,3 @@ def _check_refs(op, i, where) -> None:
     walk(list(op.kwargs.values()))
     if not found <= set(op.reads):
         raise VerifyError(f"op #{i} {op.name()} uses Locals {sorted(found - set(op.reads))} it does not list{where}")
-
-
-def _lids(v) -> list:
-    if isinstance(v, Value):
-        return [x for x in v.locals if x is not None]
-    if isinstance(v, Ref):
-        return [v.id]
-    if isinstance(v, int):
-        return [v]
-    return []

@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..graph.ir import local_ids
+
 __all__ = ["Actor", "Runtime", "Firing"]
 
 _SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many small ops starve the others
@@ -89,9 +91,9 @@ class Runtime:
             a.holders = holders[a.task.id]
         want = set()
         for v in plan.graph.out_refs:
-            want |= _lids(v)
+            want |= set(local_ids(v))
         for s in plan.graph.slots:
-            want |= _lids(s.after)
+            want |= set(local_ids(s.after))
         for a in self._actors:
             a.outputs = [(i, lid) for i, lid in enumerate(a.task.exports) if lid in want]
 
@@ -278,9 +280,3 @@ def _thread_of(t) -> str:
     if t.kind == "compute":
         return f"dev{t.device}"
     return t.kind
-
-
-def _lids(v) -> set:
-    from ..graph.lower import _lid_of
-
-    return {x for x in _lid_of(v) if x is not None}
