@@ -297,3 +297,19 @@ def test_dropout_draws_the_eager_masks():
     assert any(torch.Tag.nondeterministic_seeded in getattr(op.fn, "tags", ()) for op in compiled.graph.ops)
     for p, q in zip(a.parameters(), b.parameters()):
         assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)
+
+
+def test_micro_batches_with_the_optimizer_inside_equal_sequential_steps():
+    """Each micro-batch updates the parameters the next one reads: M pieces in flight give M eager
+    steps. The first call's graph creates the optimizer state, so it takes one piece and the rest
+    run on the graph traced with the state in place."""
+    (a, oa), (b, ob) = build("gpt", "dp"), build("gpt", "dp")
+    compiled = shoal.compile(step, micro_batches=3)
+    data = batches("gpt")[:3]
+    x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+    for _ in range(2):
+        want = [step(a, oa, *d).item() for d in data]
+        assert [t.item() for t in compiled(b, ob, x, y)] == pytest.approx(want, rel=1e-5)
+    assert compiled.traces == 2
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)

@@ -65,38 +65,50 @@ class CompiledStep:
 
     # -- calling --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        m = self.micro_batches
-        pieces = _split(args, kwargs, m) if m > 1 else None
-        targs, tkwargs = pieces[0] if pieces else (args, kwargs)
-        key = guard_key(targs, tkwargs)
+        if self.micro_batches == 1:
+            return self._run([(args, kwargs)])[0]
+        pieces = _split(args, kwargs, self.micro_batches)
+        outs: list = []
+        while len(outs) < len(pieces):  # a graph creating state runs one piece: the next reads that state
+            outs += self._run(pieces[len(outs):])
+        return outs
+
+    def _entry(self, args, kwargs):
+        key = guard_key(args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
             from ..runtime import Runtime
 
             t0 = time.perf_counter()
-            g = capture(self.fn, targs, tkwargs)
+            g = capture(self.fn, args, kwargs)
             if self.passes:
                 run_passes(g)
             # a step that creates state (an optimizer's first step) runs once with this structure:
-            # not worth an inductor compile
+            # not worth an inductor compile, and not to be repeated for the next micro-batch
             creates = any(s.before is None and s.after is not None for s in g.slots)
             plan = lower(g, None if creates else self.backend)
-            entry = self._cache[key] = (g, plan, Runtime(plan, self.registers))
+            entry = self._cache[key] = (g, plan, Runtime(plan, self.registers), creates)
             self.compile_seconds = time.perf_counter() - t0
             self.compile_seconds_total += self.compile_seconds
             self.traces += 1
             g.notes.append(f"compiled in {self.compile_seconds:.2f} s; {len(plan.tasks)} tasks; planned peak "
                            f"bytes per device {plan.peak_bytes}")
+        return entry
+
+    def _run(self, pieces: list) -> list:
+        """Run as many of ``pieces`` ((args, kwargs) each) as the first one's graph can take in flight;
+        their results."""
+        args, kwargs = pieces[0]
+        entry = self._entry(args, kwargs)
         self._last = entry
-        g, plan, rt = entry
-        static = _bind(g, plan, targs, tkwargs)
-        per_piece = None
-        if pieces:
-            per_piece = [_bind_inputs(g, plan, piece, k) for k, piece in enumerate(pieces)]
-        results, final = rt.run(static, m, per_piece)
+        g, plan, rt, creates = entry
+        if creates:
+            pieces = pieces[:1]
+        static = _bind(g, plan, args, kwargs)
+        per_piece = [_bind_inputs(g, plan, p, k) for k, p in enumerate(pieces)] if len(pieces) > 1 else None
+        results, final = rt.run(static, len(pieces), per_piece)
         _write_state(g, static, final)
-        outs = [_build(g.outputs, r, static) for r in results]
-        return outs if pieces else outs[0]
+        return [_build(g.outputs, r, static) for r in results]
 
 
 def compile(fn=None, *, backend: str | None = None, micro_batches: int = 1, registers: int = 2,  # noqa: A001

@@ -90,7 +90,6 @@ class Node:
     parent: int | None
     inputs: list = field(default_factory=list)  # Values
     outputs: list = field(default_factory=list)
-    note: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -155,13 +154,13 @@ class Graph:
             outs = ", ".join(str(v) for v in node.outputs) or "-"
             ins = ", ".join(f"%{v.name or v.id}" for v in node.inputs)
             if node.kind == "op":
-                lines.append(f"{ind}{outs} = {node.target}({ins}){'  ' + node.note if node.note else ''}")
+                gone = "  # removed by the passes" if not ops else ""
+                lines.append(f"{ind}{outs} = {node.target}({ins}){gone}")
             elif node.kind == "box":
                 lines.append(f"{ind}box {node.target}: {ins} -> {outs}")
             else:
                 lines.append(f"{ind}{node.target}:")
             if not ops:
-                lines.append(f"{ind}  (removed)")
                 continue
             comms = [o for o in ops if o.kind in ("comm", "place")]
             calls = [o for o in ops if o.kind not in ("comm", "place")]
