@@ -207,35 +207,44 @@ def test_micro_batches_equal_calling_the_step_once_per_micro_batch():
 
 
 def test_two_stage_pipeline_overlaps_micro_batches(tmp_path):
-    """Two sub-meshes, 4 micro-batches: stage 0 works on micro-batch k+1 while stage 1 works on k."""
+    """Two sub-meshes, 4 micro-batches, forward and backward (gradients accumulate): stage 0 works on
+    micro-batch k+1 while stage 1 works on k, and the gradients are plain torch's."""
     s0, s1 = shoal.Mesh([0]), shoal.Mesh([1])
 
     def stage(seed):
         torch.manual_seed(seed)
-        return torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
+        return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
 
     ref0, ref1 = stage(0), stage(1)
     m0 = shoal.distribute_module(stage(0), s0, reduce_gradients=False)
     m1 = shoal.distribute_module(stage(1), s1, reduce_gradients=False)
+    for p in [*m0.parameters(), *m1.parameters()]:
+        p.grad = torch.zeros_like(p)
 
     def pipe(m0, m1, x):
         h = m0(x).to_global(s1, shoal.B)  # the stage boundary
-        return m1(h).sum()
+        loss = m1(h).square().mean()
+        loss.backward()
+        return loss
 
-    x = torch.randn(4 * 256, 256)
+    x = torch.randn(4 * 128, 256)
     compiled = shoal.compile(pipe, micro_batches=4)
-    with torch.no_grad():
-        for _ in range(3):
-            outs = compiled(m0, m1, shoal.to_global(x, s0, shoal.B))
-        for k, o in enumerate(outs):
-            assert_same_value(o, ref1(ref0(x[256 * k:256 * (k + 1)])).sum(), rtol=1e-4, atol=1e-3)
-    fired = {(f.thread, f.piece): f for f in compiled.timeline}
+    outs = compiled(m0, m1, shoal.to_global(x, s0, shoal.B))
+    for k, o in enumerate(outs):
+        want = ref1(ref0(x[128 * k:128 * (k + 1)])).square().mean()
+        want.backward()
+        assert_same_value(o, want, rtol=1e-5, atol=1e-7)
+    for p, q in zip([*m0.parameters(), *m1.parameters()], [*ref0.parameters(), *ref1.parameters()]):
+        assert_same_value(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    for _ in range(2):
+        compiled(m0, m1, shoal.to_global(x, s0, shoal.B))
+    fired = compiled.timeline
     overlaps = [
-        k for k in range(3)
-        if ("dev0", k + 1) in fired and ("dev1", k) in fired
-        and fired["dev0", k + 1].start < fired["dev1", k].end and fired["dev1", k].start < fired["dev0", k + 1].end
+        (a.task, b.task, b.piece)
+        for a in fired if a.thread == "dev0"
+        for b in fired if b.thread == "dev1" and a.piece == b.piece + 1 and a.start < b.end and b.start < a.end
     ]
-    assert overlaps, f"no overlap in {sorted((f.thread, f.piece, f.start, f.end) for f in compiled.timeline)}"
+    assert overlaps, f"no overlap in {sorted((f.thread, f.piece, f.start, f.end) for f in fired)}"
     compiled.trace(str(tmp_path / "pipe.json"))
 
 
