@@ -176,7 +176,7 @@ def test_chrome_trace(tmp_path):
     compiled.trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert {"dev0", "dev1", "dev2", "dev3", "comm", "host"} <= names
+    assert {"dev0", "dev1", "dev2", "dev3", "comm0", "host"} <= names
     firings = [e for e in events if e["ph"] == "X"]
     assert len(firings) == len(compiled.plan.tasks) and all(e["dur"] >= 0 for e in firings)
 

@@ -4,7 +4,8 @@ One ``Actor`` per task, with ``registers`` output registers: it fires for piece 
 it depends on has finished its piece (k, or k-1 for state handed from piece to piece) and its
 register for k is free; its consumers return the register when they are done with it. No
 scheduler decides the order: firings are messages between actors, run by one thread per device for
-compute, one for communication and one for host work, so communication overlaps compute. Every
+compute, one per device for the collectives it leads and one for host work, so communication
+overlaps compute. Every
 firing is kept in a timeline exportable as a Chrome/Perfetto trace.
 """
 
@@ -277,6 +278,14 @@ class Runtime:
 
 
 def _thread_of(t) -> str:
+    """Compute on its device's thread; a collective on the communication thread of the first device
+    of its group this process owns (collectives of disjoint groups run side by side); host work on
+    the host thread."""
     if t.kind == "compute":
         return f"dev{t.device}"
+    if t.kind == "comm":
+        from ..world import world
+
+        mine = [d for d in t.ops[0].devices if world().owns(d)]
+        return f"comm{min(mine)}" if mine else "comm"
     return t.kind
