@@ -322,3 +322,16 @@ def test_micro_batches_with_the_optimizer_inside_equal_sequential_steps():
     assert compiled.traces == 2
     for p, q in zip(a.parameters(), b.parameters()):
         assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)
+
+
+def test_views_of_views_fold():
+    mesh = shoal.Mesh([0, 1])
+
+    def f(a):
+        return a.t().t() * 2 + a.view(2, 6).view(12).view(4, 3)
+
+    a = torch.randn(4, 3)
+    c = shoal.compile(f)
+    assert_same_value(c(shoal.to_global(a, mesh, shoal.B)), a * 2 + a)
+    names = [op.name() for op in c.graph.ops]
+    assert "t.default" not in names and names.count("view.default") == 2  # one view of a, per device

@@ -185,6 +185,46 @@ def _rename_results(g: Graph, rename: dict) -> None:
             s.after = r(s.after)
 
 
+_T = torch.ops.aten.t.default
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
+def _contiguous(loc) -> bool:
+    expect, acc = [], 1
+    for n in reversed(loc.shape):
+        expect.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(expect)) == loc.stride
+
+
+def fold_views(g: Graph) -> int:
+    """Views of views (backward is full of them): ``t(t(x))`` is ``x``; a reshaping view of a
+    reshaping view of a contiguous ``x`` is one view of ``x``. The views in between die if unused."""
+    made: dict = {}
+    rename: dict = {}
+    out = []
+    folded = 0
+    for op in g.ops:
+        if rename:
+            _rename_op(op, rename)
+        src = made.get(op.reads[0]) if op.kind == "call" and op.reads else None
+        if src is not None and op.fn is _T and src.fn is _T:
+            rename[op.out_ids[0]] = src.reads[0]
+            folded += 1
+            continue
+        if src is not None and op.fn in _VIEWS and src.fn in _VIEWS and _contiguous(g.locals[src.reads[0]]):
+            op.args = (Ref(src.reads[0]), *op.args[1:])
+            op.reads = (src.reads[0],)
+            folded += 1
+        for x in op.out_ids:
+            made[x] = op
+        out.append(op)
+    g.ops = out
+    if rename:
+        _rename_results(g, rename)
+    return folded
+
+
 def bucket_collectives(g: Graph, bucket_bytes: int = 1 << 20) -> int:
     """Fuse all-reduces of small tensors (gradients reduced one by one) into one all-reduce per
     bucket: flatten, reduce once, cut apart. Two all-reduces merge when they run over the same
@@ -194,7 +234,8 @@ def bucket_collectives(g: Graph, bucket_bytes: int = 1 << 20) -> int:
     return fuse_all_reduces(g, bucket_bytes)
 
 
-PASSES = (("dead code", dead_code), ("aliases", elide_aliases), ("common subexpressions", common_subexpressions),
+PASSES = (("dead code", dead_code), ("aliases", elide_aliases), ("views", fold_views),
+          ("common subexpressions", common_subexpressions),
           ("bucket collectives", bucket_collectives), ("dead code", dead_code))
 
 
