@@ -28,6 +28,7 @@ import shoal
 from shoal import S
 from shoal.models import gpt
 from shoal.models.gpt import GPT, GPTConfig
+from shoal.train import train_step as step
 
 THREADS = 2
 TINY = GPTConfig(vocab_size=96, block_size=128, n_layer=2, n_head=4, n_embd=64)
@@ -37,14 +38,6 @@ SECTIONS = {  # name -> (title, config, batch, baseline row)
     "B": ("B GPT, 1 device", SMALL, 8, "torch eager"),
     "C": ("C tiny GPT, 4 devices", TINY, 8, "shoal eager"),  # C: the eager row of the same plan
 }
-
-
-def step(model, opt, x, y):
-    _, loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def loss_value(loss) -> float:

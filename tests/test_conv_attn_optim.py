@@ -208,6 +208,18 @@ LAYOUTS = {
     (4,): ([S(0), S(0), S(1), B, B, S(0)], S(0)),
     (2, 2): ([[B, S(0)], [S(0), B], [S(1), S(0)], [B, B], [S(0), S(1)], [B, S(0)]], [S(0), B]),
 }
+def _laid_out(mesh_shape):
+    """A plain model, the same laid out per LAYOUTS, an input and the input laid out."""
+    mesh = shoal.Mesh([0, 1, 2, 3]) if mesh_shape == (4,) else shoal.Mesh([[0, 1], [2, 3]])
+    layouts, x_layout = LAYOUTS[mesh_shape]
+    ref, m = _model(), _model()
+    for (name, p), sbp in zip(list(m.named_parameters()), layouts):
+        mod, attr = name.rsplit(".", 1)
+        setattr(m.get_submodule(mod), attr, torch.nn.Parameter(shoal.to_global(p.detach(), mesh, sbp)))
+    x = r(5, 6)
+    return ref, m, x, shoal.to_global(x, mesh, x_layout)
+
+
 OPTIMIZERS = {
     "sgd": lambda ps, fe: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=fe),
     "adam": lambda ps, fe: torch.optim.Adam(ps, lr=0.01, weight_decay=0.1, foreach=fe),
@@ -221,15 +233,9 @@ OPTIMIZERS = {
 def test_optimizer_steps_match_torch(mesh_shape, opt, clip):
     """Three steps on parameters with mixed layouts (gradients come out Partial where the batch is
     split) give the parameters plain torch gives, on the foreach path, clip_grad_norm_ included."""
-    mesh = shoal.Mesh([0, 1, 2, 3]) if mesh_shape == (4,) else shoal.Mesh([[0, 1], [2, 3]])
-    layouts, x_layout = LAYOUTS[mesh_shape]
-    ref, m = _model(), _model()
-    for (name, p), sbp in zip(list(m.named_parameters()), layouts):
-        mod, attr = name.rsplit(".", 1)
-        setattr(m.get_submodule(mod), attr, torch.nn.Parameter(shoal.to_global(p.detach(), mesh, sbp)))
-    x = r(5, 6)
+    ref, m, x, gx = _laid_out(mesh_shape)
     shoal.coverage(reset=True)
-    for model, inp, foreach in ((ref, x, False), (m, shoal.to_global(x, mesh, x_layout), True)):
+    for model, inp, foreach in ((ref, x, False), (m, gx, True)):
         optimizer = OPTIMIZERS[opt](model.parameters(), foreach)
         for _ in range(3):
             optimizer.zero_grad()
@@ -251,15 +257,9 @@ def test_optimizer_steps_match_torch(mesh_shape, opt, clip):
 def test_fused_adam_matches_torch(mesh_shape, opt):
     """The fused kernel (one op for all parameters) on mixed layouts: column-split shards are strided
     views, which the kernel would walk as contiguous memory; the rule runs it on contiguous copies."""
-    mesh = shoal.Mesh([0, 1, 2, 3]) if mesh_shape == (4,) else shoal.Mesh([[0, 1], [2, 3]])
-    layouts, x_layout = LAYOUTS[mesh_shape]
-    ref, m = _model(), _model()
-    for (name, p), sbp in zip(list(m.named_parameters()), layouts):
-        mod, attr = name.rsplit(".", 1)
-        setattr(m.get_submodule(mod), attr, torch.nn.Parameter(shoal.to_global(p.detach(), mesh, sbp)))
-    x = r(5, 6)
+    ref, m, x, gx = _laid_out(mesh_shape)
     shoal.coverage(reset=True)
-    for model, inp in ((ref, x), (m, shoal.to_global(x, mesh, x_layout))):
+    for model, inp in ((ref, x), (m, gx)):
         optimizer = opt(model.parameters(), lr=0.01, weight_decay=0.1, fused=True)
         for _ in range(3):
             optimizer.zero_grad()

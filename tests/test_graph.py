@@ -19,18 +19,11 @@ from shoal.graph.trace import TraceError
 from shoal.graph.verify import VerifyError, verify
 from shoal.models import bert, gpt, resnet
 from shoal.testing import assert_same_value
+from shoal.train import train_step as step
 from test_models import MODELS, batches, initial, mesh_for
 
 STEPS = 5
 KINDS = ("one", "dp", "tp", "dp,tp", "zero")
-
-
-def step(model, opt, x, y):
-    _, loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def build(name: str, kind: str):

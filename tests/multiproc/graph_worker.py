@@ -8,19 +8,12 @@ import torch
 import shoal
 from shoal.models import gpt
 from shoal.testing import assert_same_value
+from shoal.train import train_step as step
 
 w = shoal.init()
 torch.set_num_threads(1)
 assert w.size == 4, w
 meshes = {"dp": shoal.Mesh([0, 1, 2, 3], axes=("dp",)), "dp,tp": shoal.Mesh([[0, 1], [2, 3]], axes=("dp", "tp"))}
-
-
-def step(model, opt, x, y):
-    _, loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def build(kind):

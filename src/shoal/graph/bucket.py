@@ -19,14 +19,6 @@ __all__ = ["fuse_all_reduces"]
 aten = torch.ops.aten
 
 
-def _contiguous(loc: Local) -> bool:
-    expect, acc = [], 1
-    for n in reversed(loc.shape):
-        expect.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(expect)) == loc.stride or math.prod(loc.shape) <= 1
-
-
 def _candidate(g: Graph, op: Op) -> tuple | None:
     if op.kind != "comm" or op.fn.__name__ != "all_reduce":
         return None
@@ -34,7 +26,7 @@ def _candidate(g: Graph, op: Op) -> tuple | None:
     if any(r is None for r in in_refs) or any(r is None for r in op.outs):
         return None  # another process's devices take part: keep its collectives as they are
     outs = [g.locals[r.id] for r in op.outs]
-    if not all(_contiguous(o) for o in outs):
+    if not all(o.contiguous for o in outs):
         return None
     return (devs, rest[0] if rest else "sum", outs[0].dtype)
 

@@ -10,6 +10,7 @@ end, and in-place writes are explicit in ``Op.writes``. ``str(graph)`` is a read
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,15 @@ import torch
 from ..sbp import sbp_str
 from ..spec import TensorSpec
 
-__all__ = ["Local", "Ref", "Op", "Value", "Node", "Slot", "Graph", "local_ids"]
+__all__ = ["Local", "Ref", "Op", "Value", "Node", "Slot", "Graph", "local_ids", "contiguous_strides"]
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
 
 
 @dataclass(eq=False, slots=True)
@@ -32,6 +41,10 @@ class Local:
     stride: tuple[int, ...]
     base: int
     nbytes: int  # of its own storage when it is a base, else 0
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride == contiguous_strides(self.shape) or math.prod(self.shape) <= 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,27 +82,38 @@ def common_subexpressions(g: Graph) -> int:
     observed, _ = _observed(g)
     seen: dict = {}
     by_base: dict = {}  # base -> keys reading it
-    rename: dict = {}
-    out = []
-    for op in g.ops:
-        if rename:
-            _rename_op(op, rename)
+
+    def visit(op: Op, rename: dict) -> bool:
         for x in op.writes:
             for key in by_base.pop(g.locals[x].base, ()):
                 seen.pop(key, None)
         pure = (op.kind in ("call", "host") and not op.writes and not _random(op) and op.out_ids
                 and not any(g.locals[x].base in written or x in observed for x in op.out_ids))
-        if pure:
-            key = _key(op)
-            first = seen.get(key)
-            if first is not None and len(first.out_ids) == len(op.out_ids):
-                for a, b in zip(op.out_ids, first.out_ids):
-                    rename[a] = b
-                continue
-            seen[key] = op
-            for b in _bases(g, op.reads):
-                by_base.setdefault(b, []).append(key)
-        out.append(op)
+        if not pure:
+            return True
+        key = _key(op)
+        first = seen.get(key)
+        if first is not None and len(first.out_ids) == len(op.out_ids):
+            rename.update(zip(op.out_ids, first.out_ids))
+            return False
+        seen[key] = op
+        for b in _bases(g, op.reads):
+            by_base.setdefault(b, []).append(key)
+        return True
+
+    return _rewrite(g, visit)
+
+
+def _rewrite(g: Graph, visit) -> int:
+    """Walk the ops in order, each reading what earlier ops were renamed to; ``visit(op, rename)``
+    may add renames and returns whether to keep the op. Returns how many ops went."""
+    rename: dict = {}
+    out = []
+    for op in g.ops:
+        if rename:
+            _rename_op(op, rename)
+        if visit(op, rename):
+            out.append(op)
     removed = len(g.ops) - len(out)
     g.ops = out
     if rename:
@@ -137,25 +148,19 @@ def elide_aliases(g: Graph) -> int:
 
     same_memory = world().device_type == "cpu"
     written = {g.locals[x].base for op in g.ops for x in op.writes}
-    rename: dict = {}
-    out = []
-    for op in g.ops:
-        if rename:
-            _rename_op(op, rename)
+
+    def visit(op: Op, rename: dict) -> bool:
         if op.kind == "call" and op.fn in _ALIASES and len(op.out_ids) == 1:
             rename[op.out_ids[0]] = op.reads[0]
-            continue
+            return False
         if op.kind == "place" and same_memory:
             src, dst = op.reads[0], op.out_ids[0]
             if not op.fn or (g.locals[src].base not in written and g.locals[dst].base not in written):
                 rename[dst] = src
-                continue
-        out.append(op)
-    removed = len(g.ops) - len(out)
-    g.ops = out
-    if rename:
-        _rename_results(g, rename)
-    return removed
+                return False
+        return True
+
+    return _rewrite(g, visit)
 
 
 def _rename_results(g: Graph, rename: dict) -> None:
@@ -189,40 +194,26 @@ _T = torch.ops.aten.t.default
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
-def _contiguous(loc) -> bool:
-    expect, acc = [], 1
-    for n in reversed(loc.shape):
-        expect.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(expect)) == loc.stride
-
-
 def fold_views(g: Graph) -> int:
     """Views of views (backward is full of them): ``t(t(x))`` is ``x``; a reshaping view of a
     reshaping view of a contiguous ``x`` is one view of ``x``. The views in between die if unused."""
     made: dict = {}
-    rename: dict = {}
-    out = []
-    folded = 0
-    for op in g.ops:
-        if rename:
-            _rename_op(op, rename)
+    folded = [0]
+
+    def visit(op: Op, rename: dict) -> bool:
         src = made.get(op.reads[0]) if op.kind == "call" and op.reads else None
         if src is not None and op.fn is _T and src.fn is _T:
             rename[op.out_ids[0]] = src.reads[0]
-            folded += 1
-            continue
-        if src is not None and op.fn in _VIEWS and src.fn in _VIEWS and _contiguous(g.locals[src.reads[0]]):
+            return False
+        if src is not None and op.fn in _VIEWS and src.fn in _VIEWS and g.locals[src.reads[0]].contiguous:
             op.args = (Ref(src.reads[0]), *op.args[1:])
             op.reads = (src.reads[0],)
-            folded += 1
+            folded[0] += 1
         for x in op.out_ids:
             made[x] = op
-        out.append(op)
-    g.ops = out
-    if rename:
-        _rename_results(g, rename)
-    return folded
+        return True
+
+    return _rewrite(g, visit) + folded[0]
 
 
 def bucket_collectives(g: Graph, bucket_bytes: int = 1 << 20) -> int:

@@ -24,7 +24,7 @@ from ..comm import dist as _dist
 from ..sbp import sbp_str
 from ..tensor import GlobalTensor
 from ..world import world
-from .ir import Graph, Local, Node, Op, Ref, Value
+from .ir import Graph, Local, Node, Op, Ref, Value, contiguous_strides
 
 __all__ = ["Tracer", "TraceError", "DEVICE"]
 
@@ -116,7 +116,7 @@ class Tracer(TorchDispatchMode):
         v = self._values.get(key)
         if v is None:
             if stride is None:
-                stride = _global_stride(spec.shape)  # a boxing result: fresh and contiguous
+                stride = contiguous_strides(spec.shape)  # a boxing result: fresh and contiguous
             v = self._values[key] = Value(self._new_id(), spec, tuple(lids), stride)
             self.g.values[v.id] = v
         return v
@@ -373,14 +373,6 @@ class Tracer(TorchDispatchMode):
         finally:
             for m, n, f in saved:
                 setattr(m, n, f)
-
-
-def _global_stride(shape) -> tuple:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _no_dist(*args, **kwargs):
