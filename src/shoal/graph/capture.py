@@ -59,34 +59,42 @@ def _tensor_key(t):
     return ("T", tuple(t.shape), t.dtype, t.stride(), t.device)
 
 
+def _places(o):
+    """Where the state of a module or optimizer lives: (owner, key, label, value) per place, with
+    ``owner[key]`` or ``owner.key`` holding a tensor (or a gradient not made yet); key None: the
+    GlobalTensor ``owner`` itself, written in place."""
+    if isinstance(o, nn.Module):
+        for name, p in o.named_parameters():
+            if isinstance(p, GlobalTensor):
+                yield p, None, name, p
+                yield p, "grad", f"{name}.grad", p.grad
+        for mname, m in o.named_modules():
+            for bname, b in m._buffers.items():
+                if isinstance(b, GlobalTensor):
+                    yield m._buffers, bname, f"{mname}.{bname}" if mname else bname, b
+    elif isinstance(o, torch.optim.Optimizer):
+        i = 0
+        for g in o.param_groups:
+            for p in g["params"]:
+                name = f"param{i}"
+                i += 1
+                if isinstance(p, GlobalTensor):
+                    yield p, None, name, p
+                    yield p, "grad", f"{name}.grad", p.grad
+                st = o.state.get(p)
+                for k, v in (st or {}).items():
+                    if isinstance(v, torch.Tensor):  # other state (a Python number) is guarded by type
+                        yield st, k, f"opt[{name}].{k}", v
+
+
 def state_slots(objs) -> list[Slot]:
     """The state of the modules and optimizers among ``objs``, one Slot per place it lives."""
     slots, seen = [], set()
-
-    def add(owner, key, label):
-        if (id(owner), key) not in seen:
-            seen.add((id(owner), key))
-            slots.append(Slot(owner, key, label, None))
-
     for _, o in objs:
-        if isinstance(o, nn.Module):
-            for name, p in o.named_parameters():
-                if isinstance(p, GlobalTensor):
-                    add(p, None, name)
-                    add(p, "grad", f"{name}.grad")
-            for mname, m in o.named_modules():
-                for bname, b in m._buffers.items():
-                    if isinstance(b, GlobalTensor):
-                        add(m._buffers, bname, f"{mname}.{bname}" if mname else bname)
-        elif isinstance(o, torch.optim.Optimizer):
-            names = {id(p): f"param{i}" for i, p in enumerate(p for g in o.param_groups for p in g["params"])}
-            for g in o.param_groups:
-                for p in g["params"]:
-                    if isinstance(p, GlobalTensor):
-                        add(p, None, names[id(p)])
-                        add(p, "grad", f"{names[id(p)]}.grad")
-                    for k in o.state.get(p, {}):
-                        add(o.state[p], k, f"opt[{names[id(p)]}].{k}")
+        for owner, key, label, _ in _places(o):
+            if (id(owner), key) not in seen:
+                seen.add((id(owner), key))
+                slots.append(Slot(owner, key, label, None))
     return slots
 
 
@@ -95,27 +103,23 @@ def guard_key(args: tuple, kwargs: dict) -> tuple:
     dtypes, meshes and layouts, which state exists and its layouts, optimizer settings. (Called
     every step: kept cheap.)"""
     key = []
-    objs = leaves(args, kwargs)
-    for path, o in objs:
+    for path, o in leaves(args, kwargs):
         if isinstance(o, torch.Tensor):
             key.append(_tensor_key(o))
-        elif isinstance(o, nn.Module):
+            continue
+        if isinstance(o, nn.Module):
             key.append((type(o), o.training))
-            for p in o.parameters():
-                key.append(_tensor_key(p))
-                key.append(None if p.grad is None else _tensor_key(p.grad))
-            key.extend(_tensor_key(b) for b in o.buffers())
         elif isinstance(o, torch.optim.Optimizer):
             key.append(type(o))
             for g in o.param_groups:
                 key.append(_hashable(_group_key(o, g)))
                 for p in g["params"]:
-                    key.append(None if p.grad is None else _tensor_key(p.grad))
-                    st = o.state.get(p)
-                    key.append(tuple((k, _tensor_key(v) if isinstance(v, torch.Tensor) else type(v))
-                                     for k, v in st.items()) if st else None)
+                    key.append(tuple((k, type(v)) for k, v in o.state.get(p, {}).items()))
         else:
             key.append((path, _hashable(o)))
+            continue
+        for _, _, _, v in _places(o):
+            key.append(None if v is None else _tensor_key(v))
     return tuple(key)
 
 
