@@ -60,9 +60,9 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     producer: dict[int, int] = {}
     static = set(_static_locals(g))
     written = {g.locals[x].base for op in g.ops for x in op.writes}
-    for op in g.ops:  # a collective's equal results may share memory unless someone writes them
-        if op.kind == "comm":
-            op.share_out = not any(g.locals[x].base in written for x in op.out_ids)
+    for op in g.ops:  # a collective's results may share memory (with each other, or with an input that
+        if op.kind == "comm":  # stays where it was, on CPU) unless someone writes them
+            op.share_out = not any(g.locals[x].base in written for x in (*op.out_ids, *op.reads))
 
     last_host = [None]
 
@@ -97,7 +97,7 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
             if t is None or (key == "host" and t.id in consumed):
                 # host work devices already wait for ends its segment: later host work runs alongside them
                 t = cur[key] = new("host" if key == "host" else "compute", None if key == "host" else key)
-        deps = _deps(op, base, writer, readers, producer, static)
+        deps = _deps(op, base, writer, readers, producer)
         if op.kind != "host":
             consumed |= {d for d in deps if tasks[d].kind == "host"}
         if any(d > t.id for d in deps) and t.kind != "comm":  # keep the task graph acyclic: start a new segment
@@ -116,7 +116,7 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
         for bl, al in zip(b, a):
             if bl is not None and al is not None and bl != al:
                 rebind[bl] = al
-    _cross_piece_deps(g, tasks, base, writer, readers, rebind, producer, static)
+    _cross_piece_deps(g, tasks, base, writer, readers, rebind, static)
 
     # imports and exports
     needed_out = set()
@@ -161,7 +161,7 @@ def _static_locals(g: Graph):
         yield lid
 
 
-def _deps(op: Op, base, writer, readers, producer, static) -> set:
+def _deps(op: Op, base, writer, readers, producer) -> set:
     deps = set()
     for lid in op.reads:
         b = base[lid]
@@ -189,7 +189,7 @@ def _commit(op: Op, tid: int, base, writer, readers) -> None:
             readers[lid] = set()
 
 
-def _cross_piece_deps(g, tasks, base, writer, readers, rebind, producer, static) -> None:
+def _cross_piece_deps(g, tasks, base, writer, readers, rebind, static) -> None:
     """Piece k+1 touches state after piece k is done with it: replay the accesses once more, starting
     from where piece k left each persistent storage; dependencies found on piece-k tasks get offset 1."""
     persistent = {base[lid] for lid in static}
@@ -201,7 +201,6 @@ def _cross_piece_deps(g, tasks, base, writer, readers, rebind, producer, static)
             w1[bb] = writer[ab]
         r1[bb] = set(readers.get(ab, ()))
     w2: dict = {}
-    r2: dict = {}
     task_of = {id(op): t.id for t in tasks for op in t.ops}
     for op in g.ops:
         tid = task_of.get(id(op))
@@ -220,10 +219,6 @@ def _cross_piece_deps(g, tasks, base, writer, readers, rebind, producer, static)
                 t.deps.add((w1[b], 1))
             for r in r1.get(b, ()):
                 t.deps.add((r, 1))
-        for lid in op.reads:
-            b = base[lid]
-            if b in persistent:
-                r2.setdefault(b, set()).add(tid)
         for lid in op.writes:
             w2[base[lid]] = tid
     for t in tasks:  # an actor fires its pieces in order anyway
@@ -264,7 +259,7 @@ def _comm_runner(t: Task, g: Graph):
         xs = [None if i is None else ins[i] for i in idx]
         res = fn(devs, xs, *rest) if fn.__name__ != "transfer" else [fn(devs[0], devs[1], xs[0], *rest)]
         if not share:
-            seen = set()
+            seen = {id(x) for x in xs if x is not None}
             res = list(res)
             for i, r in enumerate(res):
                 if r is not None:
