@@ -328,3 +328,24 @@ def test_views_of_views_fold():
     assert_same_value(c(shoal.to_global(a, mesh, shoal.B)), a * 2 + a)
     names = [op.name() for op in c.graph.ops]
     assert "t.default" not in names and names.count("view.default") == 2  # one view of a, per device
+
+
+def test_a_failing_task_names_itself_and_the_next_call_runs():
+    """An error at run time (an index out of range, which tracing on meta tensors cannot see) names
+    the task and micro-batch; the plan runs again afterwards. Plans share the runtime's threads."""
+    import threading
+
+    mesh = shoal.Mesh([0, 1])
+    w = torch.randn(5, 3)
+    f = shoal.compile(lambda w, i: torch.nn.functional.embedding(i, w) * 2)
+    gw = shoal.to_global(w, mesh, shoal.B)
+    ok = torch.tensor([[0, 4], [1, 2]])
+    assert_same_value(f(gw, shoal.to_global(ok, mesh, shoal.S(0))), w[ok] * 2)
+    threads = threading.active_count()
+    with pytest.raises(RuntimeError, match=r"shoal runtime: dev\d seg\d+ failed on piece 0: IndexError"):
+        f(gw, shoal.to_global(torch.tensor([[0, 9], [1, 2]]), mesh, shoal.S(0)))
+    assert_same_value(f(gw, shoal.to_global(ok, mesh, shoal.S(0))), w[ok] * 2)
+    g = shoal.compile(lambda w: w.sum(0))
+    for _ in range(3):
+        assert_same_value(g(gw), w.sum(0))
+    assert threading.active_count() == threads

@@ -4,14 +4,13 @@ One ``Actor`` per task, with ``registers`` output registers: it fires for piece 
 it depends on has finished its piece (k, or k-1 for state handed from piece to piece) and its
 register for k is free; its consumers return the register when they are done with it. No
 scheduler decides the order: firings are messages between actors, run by one thread per device for
-compute, one per device for the collectives it leads and one for host work, so communication
-overlaps compute. Every
-firing is kept in a timeline exportable as a Chrome/Perfetto trace.
+compute, one per device for the collectives it leads and one for host work (threads of the process,
+shared by every plan), so communication overlaps compute. Every firing is kept in a timeline
+exportable as a Chrome/Perfetto trace.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -61,8 +60,9 @@ class Runtime:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._actors = [Actor(t, _thread_of(t)) for t in plan.tasks]
-        self._queues: dict[str, queue.SimpleQueue] = {}
-        self._threads: list[threading.Thread] = []
+        self._queues = {a.thread: _queue(a.thread) for a in self._actors}
+        self._run_id = 0  # firings queued for an earlier (failed) run are dropped
+        self._error = None
         self._wire()
 
     # -- wiring ---------------------------------------------------------------------------------
@@ -98,31 +98,12 @@ class Runtime:
         for a in self._actors:
             a.outputs = [(i, lid) for i, lid in enumerate(a.task.exports) if lid in want]
 
-    def _start_threads(self) -> None:
-        if self._threads:
-            return
-        for name in sorted({a.thread for a in self._actors}):
-            q = self._queues[name] = queue.SimpleQueue()
-            th = threading.Thread(target=self._worker, args=(name, q), name=f"shoal-{name}", daemon=True)
-            th.start()
-            self._threads.append(th)
-
-    def close(self) -> None:
-        for q in self._queues.values():
-            q.put(None)
-        self._threads = []
-        self._queues = {}
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown
-            self.close()
-
     # -- running --------------------------------------------------------------------------------
     def run(self, static: dict, pieces: int = 1, per_piece: list | None = None) -> tuple[list, dict]:
         """Run ``pieces`` pieces. ``static``: Local id -> tensor for inputs, state and constants;
         ``per_piece``: Local id -> tensor overrides per piece (micro-batch inputs). Returns (per piece:
         Local id -> tensor of the outputs, the last piece's state Locals)."""
-        self._start_threads()
+        self._run_id += 1
         self._static, self._per_piece, self._pieces = static, per_piece, pieces
         self._results = [dict() for _ in range(pieces)]
         self._error = None
@@ -136,8 +117,7 @@ class Runtime:
             sys.setswitchinterval(switch)
         if self._error is not None:
             err, self._error = self._error, None
-            self.close()  # a failed run leaves half-done firings behind: start over next time
-            raise err
+            raise err  # firings of this run still queued are dropped (see _fire)
         final = {}
         for r in self._results:
             final.update(r)
@@ -179,7 +159,7 @@ class Runtime:
     def _try(self, a: Actor) -> None:
         if self._ready(a):
             a.busy = True
-            self._queues[a.thread].put((a, a.next))
+            self._queues[a.thread].put((self, self._run_id, a, a.next))
 
     def _inputs(self, a: Actor, k: int) -> list:
         out = []
@@ -200,28 +180,27 @@ class Runtime:
                     out.append(self._static[lid])
         return out
 
-    def _worker(self, name: str, q: queue.SimpleQueue) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            a, k = item
-            t0 = time.perf_counter()
-            try:
-                ins = self._inputs(a, k)
-                outs = a.task.run(ins)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                with self._lock:
-                    if self._error is None:
-                        self._error = RuntimeError(f"shoal runtime: {a.task.name} failed on piece {k}: {e!r}")
-                        self._error.__cause__ = e
-                    self._cv.notify_all()
-                continue
-            t1 = time.perf_counter()
+    def _fire(self, thread: str, run_id: int, a: Actor, k: int) -> None:
+        if run_id != self._run_id or self._error is not None:
+            return  # left over from a run that failed
+        t0 = time.perf_counter()
+        try:
+            ins = self._inputs(a, k)
+            outs = a.task.run(ins)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
             with self._lock:
-                self.timeline.append(Firing(a.task.name, k, name, t0 - self._t0, t1 - self._t0))
-                self._finish(a, k, ins, outs)
+                if self._error is None:
+                    self._error = RuntimeError(f"shoal runtime: {a.task.name} failed on piece {k}: {e!r}")
+                    self._error.__cause__ = e
                 self._cv.notify_all()
+            return
+        t1 = time.perf_counter()
+        with self._lock:
+            if run_id != self._run_id:
+                return  # its run failed meanwhile and another one started
+            self.timeline.append(Firing(a.task.name, k, thread, t0 - self._t0, t1 - self._t0))
+            self._finish(a, k, ins, outs)
+            self._cv.notify_all()
 
     def _finish(self, a: Actor, k: int, ins, outs) -> None:
         a.busy = False
@@ -275,6 +254,28 @@ class Runtime:
                            "args": {"piece": f.piece, "task": f.task}})
         with open(path, "w") as fh:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+
+
+# The threads: one per name (dev<d>, comm<d>, host) in the process, shared by every plan, started
+# on first use. A queued firing holds its runtime only until it runs.
+_QUEUES: dict[str, queue.SimpleQueue] = {}
+_QUEUES_LOCK = threading.Lock()
+
+
+def _queue(name: str) -> queue.SimpleQueue:
+    with _QUEUES_LOCK:
+        q = _QUEUES.get(name)
+        if q is None:
+            q = _QUEUES[name] = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(name, q), name=f"shoal-{name}", daemon=True).start()
+        return q
+
+
+def _serve(name: str, q: queue.SimpleQueue) -> None:
+    while True:
+        rt, run_id, a, k = q.get()
+        rt._fire(name, run_id, a, k)
+        del rt, a  # hold no runtime between firings
 
 
 def _thread_of(t) -> str:
