@@ -145,42 +145,37 @@ def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -
         t._resolved = None
 
 
+def _bind_one(env: dict, v, o, plan: Plan) -> None:
+    """Bind what the graph calls ``v`` (a Value, or a host Local id) to the tensor ``o``."""
+    if isinstance(v, Value):
+        _shards_into(env, v, o, plan.written, plan.graph)
+    else:
+        env[v] = o
+
+
 def _bind(g: Graph, plan: Plan, args, kwargs) -> dict:
+    """Local id -> tensor for everything a run reads before its first op: constants, the numbers read
+    at every call, the arguments, the state."""
     env = dict(g.constants)
     for owner, key, lid, dtype in g.scalars:
         env[lid] = torch.tensor(owner[key], dtype=dtype)
-    written = plan.written
-    objs = leaves(args, kwargs)
-    for i, _, v in g.inputs:
-        o = objs[i][1]
-        if isinstance(v, Value):
-            _shards_into(env, v, o, written, g)
-        else:
-            env[v] = o
+    env.update(_bind_inputs(g, plan, (args, kwargs), 0))
     for s in g.slots:
-        if s.before is None:
-            continue
-        o = s.get()
-        if isinstance(s.before, Value):
-            _shards_into(env, s.before, o, written, g)
-        else:
-            env[s.before] = o
+        if s.before is not None:
+            _bind_one(env, s.before, s.get(), plan)
     return env
 
 
 def _bind_inputs(g: Graph, plan: Plan, piece, k: int) -> dict:
+    """The arguments of micro-batch ``k``."""
     env: dict = {}
-    args, kwargs = piece
-    objs = leaves(args, kwargs)
+    objs = leaves(*piece)
     for i, path, v in g.inputs:
         o = objs[i][1]
-        if isinstance(v, Value):
-            if o._spec != v.spec:
-                raise ValueError(f"shoal.compile: micro-batch {k} of {path} is laid out {o._spec}, micro-batch 0 "
-                                 f"{v.spec}; pick a batch size the micro-batches split evenly")
-            _shards_into(env, v, o, plan.written, g)
-        else:
-            env[v] = o
+        if isinstance(v, Value) and o._spec != v.spec:
+            raise ValueError(f"shoal.compile: micro-batch {k} of {path} is laid out {o._spec}, micro-batch 0 "
+                             f"{v.spec}; pick a batch size the micro-batches split evenly")
+        _bind_one(env, v, o, plan)
     return env
 
 

@@ -146,6 +146,24 @@ class Graph:
     devices: tuple = ()  # devices with ops, in order
     notes: list = field(default_factory=list)  # what the passes did, for the listing
 
+    def bound(self) -> set:
+        """Locals a run has before its first op: arguments, state read, constants, per-call numbers."""
+        out = set(self.constants) | {lid for *_, lid, _ in self.scalars}
+        for _, _, v in self.inputs:
+            out |= set(local_ids(v))
+        for s in self.slots:
+            out |= set(local_ids(s.before))
+        return out
+
+    def returned(self) -> set:
+        """Locals the caller gets back: the outputs and the state left behind."""
+        out = set()
+        for v in self.out_refs:
+            out |= set(local_ids(v))
+        for s in self.slots:
+            out |= set(local_ids(s.after))
+        return out
+
     # -- listing --------------------------------------------------------------------------------
     def __str__(self) -> str:
         lines = ["graph("]

@@ -47,6 +47,7 @@ class Plan:
     rebind: dict  # state Local read by piece k+1 -> the Local piece k left in that slot
     static: set  # Local ids bound before the run (inputs, state, constants)
     written: set  # storages (base Local ids) some op writes in place
+    returned: set  # Local ids the caller gets back: outputs and the state left behind
     peak_bytes: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -58,7 +59,7 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     local_devices = set(w.local_devices)
     tasks: list[Task] = []
     producer: dict[int, int] = {}
-    static = set(_static_locals(g))
+    static = g.bound()
     written = {g.locals[x].base for op in g.ops for x in op.writes}
     for op in g.ops:  # a collective's results may share memory (with each other, or with an input that
         if op.kind == "comm":  # stays where it was, on CPU) unless someone writes them
@@ -119,12 +120,7 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     _cross_piece_deps(g, tasks, base, writer, readers, rebind, static)
 
     # imports and exports
-    needed_out = set()
-    for v in g.out_refs:
-        needed_out |= set(local_ids(v))
-    for s in g.slots:
-        needed_out |= set(local_ids(s.after))
-    needed_out.discard(None)
+    needed_out = g.returned()
     exported: dict[int, set] = {}
     for t in tasks:
         made = set()
@@ -146,19 +142,9 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     for t in tasks:
         t.exports = sorted(exported.get(t.id, ()))
         t.run = _compile(t, g, backend)
-    plan = Plan(g, tasks, producer, rebind, static, written)
+    plan = Plan(g, tasks, producer, rebind, static, written, needed_out)
     plan.peak_bytes = _peak_bytes(g, tasks)
     return plan
-
-
-def _static_locals(g: Graph):
-    for _, _, v in g.inputs:
-        yield from local_ids(v)
-    for s in g.slots:
-        yield from local_ids(s.before)
-    yield from g.constants
-    for *_, lid, _ in g.scalars:
-        yield lid
 
 
 def _deps(op: Op, base, writer, readers, producer) -> set:
@@ -361,22 +347,13 @@ def _paths(o, path):
 def _peak_bytes(g: Graph, tasks) -> dict:
     """Planned peak per device: state and inputs, plus the temporaries alive at once when each
     device's segments run in order and free at last use."""
+    order = [op for t in tasks for op in t.ops]
     last_use: dict = {}
-    order = []
-    for t in tasks:
-        for op in t.ops:
-            order.append(op)
     for i, op in enumerate(order):
         for lid in (*op.reads, *op.out_ids):
             last_use[g.locals[lid].base] = i
     live: dict = {}
-    peak: dict = {}
-    kept = set()
-    for s in g.slots:
-        kept |= {g.locals[x].base for x in local_ids(s.after) if x is not None}
-        kept |= {g.locals[x].base for x in local_ids(s.before) if x is not None}
-    for _, _, v in g.inputs:
-        kept |= {g.locals[x].base for x in local_ids(v)}
+    kept = {g.locals[x].base for x in g.bound() | g.returned()}
     for lid in kept:
         loc = g.locals[lid]
         if loc.device is not None:

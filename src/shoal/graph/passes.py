@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .ir import Graph, Op, Ref, local_ids
+from .ir import Graph, Op, Ref
 from .verify import verify
 
 __all__ = ["run_passes", "dead_code", "common_subexpressions", "bucket_collectives", "PASSES"]
@@ -21,19 +21,8 @@ def _bases(g: Graph, lids) -> set:
 
 def _observed(g: Graph) -> tuple[set, set]:
     """Locals the caller gets back, and storages that outlive the step (state, inputs)."""
-    lids: set = set()
-    for v in g.out_refs:
-        lids |= set(local_ids(v))
-    for s in g.slots:
-        lids |= set(local_ids(s.after))
-    persistent = set()
-    for s in g.slots:
-        persistent |= _bases(g, local_ids(s.before))
-    for _, _, v in g.inputs:
-        persistent |= _bases(g, local_ids(v))
-    persistent |= _bases(g, g.constants)
-    persistent |= _bases(g, [lid for *_, lid, _ in g.scalars])
-    return lids, persistent | _bases(g, lids)
+    lids = g.returned()
+    return lids, _bases(g, g.bound() | lids)
 
 
 def _random(op: Op) -> bool:

@@ -277,6 +277,9 @@ class Tracer(TorchDispatchMode):
         return out
 
     def comm(self, name: str, *args):
+        if name == "all_reduce_start":  # traced, the reduction is one task: done when it returns
+            res = self.comm("all_reduce", *args)
+            return lambda: res
         fn = self._orig[name]
         if name == "transfer":
             src, dst, t = args[0], args[1], args[2]
@@ -291,12 +294,12 @@ class Tracer(TorchDispatchMode):
                 if res is None and world().owns(dst):
                     res = torch.empty(args[3], dtype=args[4], device="meta")
             else:
-                res = (self._orig["all_reduce"] if name == "all_reduce_start" else fn)(*args)
+                res = fn(*args)
         finally:
             self._quiet -= 1
         outs = [res] if name == "transfer" else list(res)
         if all(o is x for o, x in zip(outs, xs)):  # a group of one device: nothing moves
-            return res if name != "all_reduce_start" else (lambda: list(res))
+            return res
         seen, out_refs, fresh = set(), [], []
         for i, o in enumerate(outs):
             if o is None:
@@ -309,16 +312,11 @@ class Tracer(TorchDispatchMode):
             dev = dst if name == "transfer" else devs[i]
             out_refs.append(Ref(self.new_local(o, dev)))
             fresh.append(o)
-        call_fn = self._orig["all_reduce"] if name == "all_reduce_start" else fn
         rest = args[3:] if name == "transfer" else args[2:]
-        self._op(kind="comm", fn=call_fn, args=(devs, in_refs, *rest), kwargs={}, outs=out_refs, device=None,
+        self._op(kind="comm", fn=fn, args=(devs, in_refs, *rest), kwargs={}, outs=out_refs, device=None,
                  reads=tuple(r.id for r in in_refs if r is not None),
                  out_ids=tuple(r.id for r in out_refs if r is not None), devices=devs)
-        if name == "transfer":
-            return fresh[0]
-        if name == "all_reduce_start":
-            return lambda: list(fresh)
-        return fresh
+        return fresh[0] if name == "transfer" else fresh
 
     def place(self, t: torch.Tensor, device: int, copy: bool) -> torch.Tensor:
         """A host tensor handed to ``device`` (a copy per device when ``copy``)."""
@@ -380,20 +378,14 @@ def _no_dist(*args, **kwargs):
 
 
 def _written(func, args, kwargs, tr: Tracer) -> list[int]:
-    """Locals an ATen op writes in place (its schema's ``a!`` arguments)."""
-    out = []
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return out
-    for i, a in enumerate(schema.arguments):
-        ai = a.alias_info
-        if ai is None or not ai.is_write:
-            continue
+    """Locals an ATen op writes in place: the schema's ``a!`` arguments, read by dispatch's reader."""
+    tensors: list = []
+    by_arg = []
+    for i, a in enumerate(func._schema.arguments):
         v = args[i] if i < len(args) else kwargs.get(a.name)
-        for t in v if isinstance(v, (list, tuple)) else (v,):
-            if isinstance(t, torch.Tensor):
-                lid = tr.lid(t)
-                if lid is not None:
-                    out.append(lid)
-    return out
+        ts = [t for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)]
+        by_arg.append(tuple(range(len(tensors), len(tensors) + len(ts))))
+        tensors += ts
+    mutated, _ = _dispatch._aliases(func, by_arg)
+    return [lid for i in mutated if (lid := tr.lid(tensors[i])) is not None]
 

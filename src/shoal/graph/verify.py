@@ -15,12 +15,7 @@ def verify(g: Graph, after: str = "") -> None:
     """Every Local is made once, before it is read, on the device of the op reading it; collectives
     read and make Locals of the devices taking part; outputs and state are defined."""
     where = f" (after {after})" if after else ""
-    defined = set(g.constants)
-    for _, _, v in g.inputs:
-        defined |= set(local_ids(v))
-    for s in g.slots:
-        defined |= set(local_ids(s.before))
-    defined |= {lid for *_, lid, _ in g.scalars}
+    defined = g.bound()
     made: set = set()
     for i, op in enumerate(g.ops):
         for x in (*op.reads, *op.writes):

@@ -432,7 +432,6 @@ def _sample(base: str, overload: str, inplace: bool):
     return [((a, _pos()), {"alpha": 2.0} if base == "add" else {})]  # Tensor: one 0-dim tensor for all
 
 
-SAMPLES = {op: (lambda op=op: _sample(*_base(op))) for op in FOREACH_OPS}
 def _adam_sample(tensor_lr: bool):
     lr = torch.tensor(0.01, dtype=torch.float64) if tensor_lr else 0.01
     kw = {"lr": lr, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "eps": 1e-8, "amsgrad": False,
@@ -442,6 +441,7 @@ def _adam_sample(tensor_lr: bool):
     return [(lists, kw)]
 
 
+SAMPLES = {op: (lambda op=op: _sample(*_base(op))) for op in FOREACH_OPS}
 for _op in FUSED_OPTIMIZER_OPS:
     SAMPLES[_op] = lambda op=_op: _adam_sample(op._overloadname == "tensor_lr")
 SAMPLES[aten._foreach_norm.Scalar] = lambda: [

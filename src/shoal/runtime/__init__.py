@@ -19,8 +19,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..graph.ir import local_ids
-
 __all__ = ["Actor", "Runtime", "Firing"]
 
 _SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many small ops starve the others
@@ -90,13 +88,8 @@ class Runtime:
                 self._actors[d].dependents.add(t.id)
         for a in self._actors:
             a.holders = holders[a.task.id]
-        want = set()
-        for v in plan.graph.out_refs:
-            want |= set(local_ids(v))
-        for s in plan.graph.slots:
-            want |= set(local_ids(s.after))
         for a in self._actors:
-            a.outputs = [(i, lid) for i, lid in enumerate(a.task.exports) if lid in want]
+            a.outputs = [(i, lid) for i, lid in enumerate(a.task.exports) if lid in plan.returned]
 
     # -- running --------------------------------------------------------------------------------
     def run(self, static: dict, pieces: int = 1, per_piece: list | None = None) -> tuple[list, dict]:
