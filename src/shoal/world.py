@@ -109,15 +109,14 @@ def _init_distributed(devices, device_type: str, processes: int, timeout) -> Wor
                 f"but this host has {torch.cuda.device_count()}"
             )
         torch.cuda.set_device(local_rank * k)
+    from .comm.dist import install_failure_report, shutdown
+
     if not dist.is_initialized():
         import atexit
 
         secs = float(timeout if timeout is not None else os.environ.get("SHOAL_TIMEOUT", "60"))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=secs))
-        # torch asks for an explicit destroy before exit: a process group torn down with the
-        # interpreter can abort the process after its work is done
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-    from .comm.dist import install_failure_report
+        atexit.register(shutdown)
 
     install_failure_report(rank)
     return World(processes=processes, devices_per_process=k, rank=rank, device_type=device_type, local_rank=local_rank)

@@ -54,6 +54,19 @@ def ensure_mesh_groups(mesh: Mesh) -> None:
 ON_NEW_MESH.append(ensure_mesh_groups)
 
 
+def shutdown() -> None:
+    """Destroy the process groups while the interpreter is whole (registered at exit by
+    ``shoal.init``). A group torch still holds, or one this module does, lives into interpreter
+    finalization, and its worker thread, dropping the last reference to a finished asynchronous
+    collective's tensors there, needs the GIL and aborts the process."""
+    import gc
+
+    _GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # the groups' last references may sit in cycles: free them (joining their threads) now
+
+
 def _group(ranks: Sequence[int]):
     key = tuple(ranks)
     g = _GROUPS.get(key)
