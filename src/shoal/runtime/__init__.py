@@ -4,9 +4,10 @@ One ``Actor`` per task, with ``registers`` output registers: it fires for piece 
 it depends on has finished its piece (k, or k-1 for state handed from piece to piece) and its
 register for k is free; its consumers return the register when they are done with it. No
 scheduler decides the order: firings are messages between actors, run by one thread per device for
-compute, one per device for the collectives it leads and one for host work (threads of the process,
-shared by every plan), so communication overlaps compute. Every firing is kept in a timeline
-exportable as a Chrome/Perfetto trace.
+compute and one per device for the collectives it leads (threads of the process, shared by every
+plan), so communication overlaps compute. The calling thread does the host work and its first
+device's compute while it waits. Every firing is kept in a timeline exportable as a
+Chrome/Perfetto trace.
 """
 
 from __future__ import annotations
@@ -56,9 +57,15 @@ class Runtime:
         self.timeout = timeout or float(os.environ.get("SHOAL_TIMEOUT", "600"))
         self.timeline: list[Firing] = []
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
         self._actors = [Actor(t, _thread_of(t)) for t in plan.tasks]
-        self._queues = {a.thread: _queue(a.thread) for a in self._actors}
+        # The caller runs the host work and its first device's compute while it waits: a process
+        # with one device computes on one thread, with no hand-offs (a second thread with its own
+        # OpenMP team makes libgomp stop spinning between parallel regions, and every kernel then
+        # pays a wake-up, eager torch in the same process included).
+        first = min((a.thread for a in self._actors if a.thread.startswith("dev")), key=_device_key, default=None)
+        self._mine: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues = {a.thread: self._mine if a.thread in (first, "host") else _queue(a.thread)
+                        for a in self._actors}
         self._run_id = 0  # firings queued for an earlier (failed) run are dropped
         self._error = None
         self._wire()
@@ -125,11 +132,19 @@ class Runtime:
             self._left = len(self._actors) * self._pieces
             for a in self._actors:
                 self._try(a)
-            last = self._left
-            while self._left and self._error is None:
-                if not self._cv.wait(timeout=self.timeout) and self._left == last:
+        last, since = self._left, time.monotonic()
+        while self._left and self._error is None:  # fire my device's tasks; others wake me when they finish
+            try:
+                item = self._mine.get(timeout=self.timeout)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                self._fire(*item[1:])
+            if self._left != last:
+                last, since = self._left, time.monotonic()
+            elif time.monotonic() - since > self.timeout:
+                with self._lock:
                     self._error = TimeoutError(self._stuck())
-                last = self._left
 
     def _stuck(self) -> str:
         lines = [f"shoal runtime: no progress in {self.timeout:.0f} s; actors not finished:"]
@@ -173,7 +188,7 @@ class Runtime:
                     out.append(self._static[lid])
         return out
 
-    def _fire(self, thread: str, run_id: int, a: Actor, k: int) -> None:
+    def _fire(self, run_id: int, a: Actor, k: int) -> None:
         if run_id != self._run_id or self._error is not None:
             return  # left over from a run that failed
         t0 = time.perf_counter()
@@ -185,15 +200,15 @@ class Runtime:
                 if self._error is None:
                     self._error = RuntimeError(f"shoal runtime: {a.task.name} failed on piece {k}: {e!r}")
                     self._error.__cause__ = e
-                self._cv.notify_all()
+            self._mine.put(None)  # wake the caller
             return
         t1 = time.perf_counter()
         with self._lock:
             if run_id != self._run_id:
                 return  # its run failed meanwhile and another one started
-            self.timeline.append(Firing(a.task.name, k, thread, t0 - self._t0, t1 - self._t0))
+            self.timeline.append(Firing(a.task.name, k, a.thread, t0 - self._t0, t1 - self._t0))
             self._finish(a, k, ins, outs)
-            self._cv.notify_all()
+        self._mine.put(None)
 
     def _finish(self, a: Actor, k: int, ins, outs) -> None:
         a.busy = False
@@ -259,22 +274,41 @@ def _queue(name: str) -> queue.SimpleQueue:
     with _QUEUES_LOCK:
         q = _QUEUES.get(name)
         if q is None:
+            import torch
+
+            from ..world import world
+
+            # CPU kernels on a worker use a share of the caller's intra-op threads (collectives and
+            # host work one): more OpenMP threads than cores make every team stop spinning
+            n = torch.get_num_threads()
+            share = max(1, n // len(world().local_devices)) if name.startswith("dev") else 1
             q = _QUEUES[name] = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(name, q), name=f"shoal-{name}", daemon=True).start()
+            ready = threading.Event()
+            threading.Thread(target=_serve, args=(q, share, ready), name=f"shoal-{name}", daemon=True).start()
+            ready.wait()
+            torch.set_num_threads(n)  # the process-wide default is the caller's again
         return q
 
 
-def _serve(name: str, q: queue.SimpleQueue) -> None:
+def _serve(q: queue.SimpleQueue, threads: int, ready: threading.Event) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    ready.set()
     while True:
         rt, run_id, a, k = q.get()
-        rt._fire(name, run_id, a, k)
+        rt._fire(run_id, a, k)
         del rt, a  # hold no runtime between firings
+
+
+def _device_key(thread: str) -> int:
+    return int(thread[3:])
 
 
 def _thread_of(t) -> str:
     """Compute on its device's thread; a collective on the communication thread of the first device
-    of its group this process owns (collectives of disjoint groups run side by side); host work on
-    the host thread."""
+    of its group this process owns (collectives of disjoint groups run side by side); host work
+    ("host") on the caller's."""
     if t.kind == "compute":
         return f"dev{t.device}"
     if t.kind == "comm":
