@@ -108,6 +108,41 @@ def test_guards_retrace_on_new_shapes_layouts_and_meshes():
     assert f.traces == 4
 
 
+def test_state_objects_are_guarded_by_identity():
+    mesh = shoal.Mesh([0, 1])
+
+    def sgd(model, x):
+        loss = model(x).square().sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+        return loss
+
+    def fresh():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    x = torch.randn(6, 4)
+    ref = fresh()
+    sgd(ref, x)
+    f = shoal.compile(sgd)
+    gx = shoal.to_global(x, mesh, shoal.S(0))
+    a, b = (shoal.distribute_module(fresh(), mesh) for _ in range(2))
+    f(a, gx)
+    before = a.weight.full().clone()
+    f(b, gx)  # another model of the same layout: it trains b and leaves a as it was
+    assert_same_value(b.weight, ref.weight)
+    assert torch.equal(a.weight.full(), before)
+    assert f.traces == 2
+    # parameters replaced by new tensors: the step updates the new ones
+    b.weight, b.bias = (torch.nn.Parameter(shoal.to_global(p.detach(), mesh, shoal.B)) for p in fresh().parameters())
+    f(b, gx)
+    assert_same_value(b.weight, ref.weight)
+    assert f.traces == 3
+
+
 def test_every_pass_leaves_a_valid_graph_and_the_verifier_catches_a_broken_one():
     from shoal.graph.capture import capture
 

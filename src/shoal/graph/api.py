@@ -126,19 +126,25 @@ def compile(fn=None, *, backend: str | None = None, micro_batches: int = 1, regi
 def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -> None:
     """Bind ``t``'s shards to ``v``'s Locals. Eager shares one piece of memory between devices
     holding the same values (Broadcast on CPU); where the plan writes it, each device gets its own."""
+    shards = t._shards
+    if len(shards) == 1:
+        if v.locals[0] is not None:
+            env[v.locals[0]] = shards[0]
+        return
     seen = set()
-    shards = list(t._shards)
     changed = False
     for p, lid in enumerate(v.locals):
         if lid is None:
             continue
         s = shards[p]
-        region = _region(s)
-        if region in seen and g.locals[lid].base in written:
-            s = shards[p] = s.clone()
+        if g.locals[lid].base in written:
             region = _region(s)
-            changed = True
-        seen.add(region)
+            if region in seen:
+                if not changed:
+                    shards, changed = list(shards), True
+                s = shards[p] = s.clone()
+                region = _region(s)
+            seen.add(region)
         env[lid] = s
     if changed:
         t._shards = tuple(shards)
@@ -183,28 +189,29 @@ def _get(lid, final: dict, static: dict):
     return final[lid] if lid in final else static[lid]
 
 
+def _shards(v: Value, final: dict, static: dict) -> tuple:
+    return tuple(None if lid is None else final[lid] if lid in final else static[lid] for lid in v.locals)
+
+
 def _write_state(g: Graph, static: dict, final: dict) -> None:
     for s in g.slots:
         a = s.after
         if a is None:
             if s.key is not None and s.get() is not None:
                 s.set(None)
-            continue
-        if isinstance(a, Value):
-            shards = tuple(None if lid is None else _get(lid, final, static) for lid in a.locals)
+        elif isinstance(a, Value):
             if s.same or s.key is None:
                 t = s.get()
-                t._spec, t._shards, t._resolved = a.spec, shards, None
+                t._spec, t._shards, t._resolved = a.spec, _shards(a, final, static), None
             else:
-                s.set(GlobalTensor._make(a.spec, shards, a.stride))
+                s.set(GlobalTensor._make(a.spec, _shards(a, final, static), a.stride))
         else:
             s.set(_get(a, final, static))
 
 
 def _build(o, results: dict, static: dict):
     if isinstance(o, Value):
-        shards = tuple(None if lid is None else _get(lid, results, static) for lid in o.locals)
-        return GlobalTensor._make(o.spec, shards, o.stride)
+        return GlobalTensor._make(o.spec, _shards(o, results, static), o.stride)
     if isinstance(o, Ref):
         return _get(o.id, results, static)
     if isinstance(o, (list, tuple)):

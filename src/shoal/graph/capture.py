@@ -59,16 +59,30 @@ def _tensor_key(t):
     return ("T", tuple(t.shape), t.dtype, t.stride(), t.device)
 
 
+def _modules(m: nn.Module, name: str, seen: set, out: list) -> list:
+    """``m`` and its submodules, each once, pre-order, with their names (named_modules, cheaper)."""
+    if id(m) not in seen:
+        seen.add(id(m))
+        out.append((name, m))
+        for n, c in m._modules.items():
+            if c is not None:
+                _modules(c, f"{name}.{n}" if name else n, seen, out)
+    return out
+
+
 def _places(o):
     """Where the state of a module or optimizer lives: (owner, key, label, value) per place, with
     ``owner[key]`` or ``owner.key`` holding a tensor (or a gradient not made yet); key None: the
     GlobalTensor ``owner`` itself, written in place."""
     if isinstance(o, nn.Module):
-        for name, p in o.named_parameters():
-            if isinstance(p, GlobalTensor):
-                yield p, None, name, p
-                yield p, "grad", f"{name}.grad", p.grad
-        for mname, m in o.named_modules():
+        seen: set = set()
+        for mname, m in _modules(o, "", set(), []):
+            for pname, p in m._parameters.items():
+                if isinstance(p, GlobalTensor) and id(p) not in seen:
+                    seen.add(id(p))
+                    name = f"{mname}.{pname}" if mname else pname
+                    yield p, None, name, p
+                    yield p, "grad", f"{name}.grad", p.grad
             for bname, b in m._buffers.items():
                 if isinstance(b, GlobalTensor):
                     yield m._buffers, bname, f"{mname}.{bname}" if mname else bname, b
@@ -100,26 +114,34 @@ def state_slots(objs) -> list[Slot]:
 
 def guard_key(args: tuple, kwargs: dict) -> tuple:
     """What a captured graph depends on besides the values of its tensors: the arguments' shapes,
-    dtypes, meshes and layouts, which state exists and its layouts, optimizer settings. (Called
-    every step: kept cheap.)"""
-    key = []
+    dtypes, meshes and layouts, which modules and optimizers it was given and where their state
+    lives (the very objects: a graph reads and writes them), the state's layouts, optimizer
+    settings. (Called every step: kept cheap.)"""
+    key: list = []
+    add = key.append
+    seen: set = set()  # places already keyed (an optimizer's parameters are usually a module's too)
     for path, o in leaves(args, kwargs):
         if isinstance(o, torch.Tensor):
-            key.append(_tensor_key(o))
+            add(_tensor_key(o))
             continue
         if isinstance(o, nn.Module):
-            key.append((type(o), o.training))
+            add((id(o), o.training))
         elif isinstance(o, torch.optim.Optimizer):
-            key.append(type(o))
+            add(id(o))
             for g in o.param_groups:
-                key.append(_hashable(_group_key(o, g)))
+                add(_hashable(_group_key(o, g)))
                 for p in g["params"]:
-                    key.append(tuple((k, type(v)) for k, v in o.state.get(p, {}).items()))
+                    st = o.state.get(p)
+                    add(tuple((k, type(v)) for k, v in st.items()) if st else None)
         else:
-            key.append((path, _hashable(o)))
+            add((path, _hashable(o)))
             continue
-        for _, _, _, v in _places(o):
-            key.append(None if v is None else _tensor_key(v))
+        for owner, k, _, v in _places(o):
+            place = (id(owner), k)
+            if place not in seen:
+                seen.add(place)
+                add(place)
+                add(None if v is None else _tensor_key(v))
     return tuple(key)
 
 
