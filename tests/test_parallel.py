@@ -84,6 +84,23 @@ def test_plan_errors():
         shoal.distribute_module(make_mlp(), mesh, shoal.Plan(inputs={"9": S(0)}))
 
 
+def test_gradients_on_one_device_are_whole_at_once():
+    """A Partial gradient over a one-device axis is the gradient: it is called Broadcast by the hook,
+    with no bucket (no copy into one, no reduction)."""
+    mesh = shoal.Mesh([0], axes=("dp",))
+    ref = make_mlp()
+    ((ref(X) - Y) ** 2).mean().backward()
+    m = shoal.distribute_module(make_mlp(), mesh, shoal.data_parallel(mesh))
+    with shoal.CommCounter() as cc:
+        ((m(X) - Y) ** 2).mean().backward()
+    assert cc.total == 0, cc
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert p.grad.sbp == (B,)
+        assert_same_value(p.grad, q.grad, "grad")
+    params = list(m.parameters())
+    assert len({p.grad._shards[0].untyped_storage().data_ptr() for p in params}) == len(params)  # no bucket
+
+
 def test_data_parallel_gradients_are_reduced_in_one_bucket():
     """Four Partial gradients, one all_reduce at the end of backward, none in the optimizer step."""
     mesh = _mesh((4,))

@@ -36,6 +36,11 @@ class GradReducer:
         g = p.grad
         if not isinstance(g, GlobalTensor) or not isinstance(p, GlobalTensor):
             return
+        mesh = g.spec.mesh
+        if any(isinstance(s, Partial) and n == 1 for s, n in zip(g.sbp, mesh.shape)):
+            # a partial value over one device is the value: say so (nothing to copy or reduce)
+            sbp = tuple(Broadcast() if isinstance(s, Partial) and n == 1 else s for s, n in zip(g.sbp, mesh.shape))
+            g = p.grad = GlobalTensor._make(g.spec.with_sbp(sbp), g._shards, g.stride())
         axes = _axes(p, g)
         if not axes:
             return
