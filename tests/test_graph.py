@@ -384,3 +384,30 @@ def test_a_failing_task_names_itself_and_the_next_call_runs():
     for _ in range(3):
         assert_same_value(g(gw), w.sum(0))
     assert threading.active_count() == threads
+
+
+def test_a_worker_thread_runs_kernels_on_its_share_of_the_intra_op_threads():
+    """A worker thread computes with (caller's threads) // (local devices) OpenMP threads, even after
+    its first kernel (ATen sets a new thread's count from the process default on first use), and
+    the process default stays the caller's."""
+    import threading
+
+    from shoal import runtime
+
+    seen, done = {}, threading.Event()
+
+    class Probe:
+        def _fire(self, run_id, a, k):
+            (torch.randn(1 << 20) * 2).exp_()  # big enough to run in parallel
+            seen["threads"] = torch.get_num_threads()
+            done.set()
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        runtime._queue("dev-probe").put((Probe(), 0, None, 0))
+        assert done.wait(60)
+        assert torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(prev)
+    assert seen["threads"] == 8 // len(shoal.world().local_devices)

@@ -293,6 +293,7 @@ def _queue(name: str) -> queue.SimpleQueue:
 def _serve(q: queue.SimpleQueue, threads: int, ready: threading.Event) -> None:
     import torch
 
+    torch.get_num_threads()  # ATen sets a thread's count from the process default on first use: now
     torch.set_num_threads(threads)
     ready.set()
     while True:
