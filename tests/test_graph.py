@@ -143,6 +143,30 @@ def test_state_objects_are_guarded_by_identity():
     assert f.traces == 3
 
 
+SCALE = 2.0
+
+
+def test_numbers_read_from_globals_and_closures_retrace_when_they_change():
+    global SCALE
+    mesh = shoal.Mesh([0, 1])
+    a = torch.randn(4, 3)
+    ga = shoal.to_global(a, mesh, shoal.S(0))
+    shift = 1
+
+    f = shoal.compile(lambda t: t * SCALE + shift)
+    assert_same_value(f(ga), a * 2 + 1)
+    SCALE, shift = 3.0, 5
+    assert_same_value(f(ga), a * 3 + 5)
+    assert f.traces == 2
+    assert_same_value(f(ga), a * 3 + 5)
+    assert f.traces == 2
+    SCALE = 2.0
+    with pytest.warns(UserWarning, match="traced for the 9th time"):
+        for k in range(8):
+            shift = k
+            assert_same_value(f(ga), a * 2 + k)
+
+
 def test_every_pass_leaves_a_valid_graph_and_the_verifier_catches_a_broken_one():
     from shoal.graph.capture import capture
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import torch
 
 from ..dispatch import _region
 from ..tensor import GlobalTensor
-from .capture import capture, guard_key, leaves
+from .capture import capture, function_key, guard_key, leaves
 from .ir import Graph, Ref, Value
 from .lower import Plan, lower
 from .passes import run_passes
 
 __all__ = ["compile", "CompiledStep"]
+
+_MANY_TRACES = 8
 
 
 class CompiledStep:
@@ -74,10 +77,16 @@ class CompiledStep:
         return outs
 
     def _entry(self, args, kwargs):
-        key = guard_key(args, kwargs)
+        key = (function_key(self.fn), guard_key(args, kwargs))
         entry = self._cache.get(key)
         if entry is None:
             from ..runtime import Runtime
+
+            if len(self._cache) == _MANY_TRACES:
+                warnings.warn(f"shoal.compile: {getattr(self.fn, '__qualname__', self.fn)} is traced for the "
+                              f"{_MANY_TRACES + 1}th time: something it depends on changes from call to call (input "
+                              "shapes or layouts, a number in a global or closure it reads); pass a changing "
+                              "number as a tensor argument", stacklevel=3)
 
             t0 = time.perf_counter()
             g = capture(self.fn, args, kwargs)

@@ -18,7 +18,7 @@ from ..tensor import GlobalTensor
 from .ir import Graph, Ref, Slot
 from .trace import TraceError, Tracer
 
-__all__ = ["capture", "guard_key", "state_slots"]
+__all__ = ["capture", "function_key", "guard_key", "state_slots"]
 
 _SKIP_GROUP_KEYS = ("params", "capturable", "foreach", "fused")
 
@@ -143,6 +143,36 @@ def guard_key(args: tuple, kwargs: dict) -> tuple:
                 add(place)
                 add(None if v is None else _tensor_key(v))
     return tuple(key)
+
+
+_SIMPLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def function_key(fn) -> tuple:
+    """What the step function reads besides its arguments: the globals its code names and the
+    variables it closes over (a number by value, anything else by identity). Code it calls (a
+    module's forward) is not looked into."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return (id(fn),)
+    glb = getattr(fn, "__globals__", {})
+    key = [id(code)]
+    for name in code.co_names:
+        if name in glb:
+            key.append((name, _by_value(glb[name])))
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            key.append((name, _by_value(cell.cell_contents)))
+        except ValueError:  # an empty cell
+            key.append((name, None))
+    return tuple(key)
+
+
+def _by_value(v):
+    if isinstance(v, _SIMPLE) or (isinstance(v, tuple) and all(isinstance(e, _SIMPLE) for e in v)):
+        return v
+    return ("id", id(v))
 
 
 def _hashable(o):
