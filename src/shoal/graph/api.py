@@ -86,7 +86,7 @@ class CompiledStep:
                 warnings.warn(f"shoal.compile: {getattr(self.fn, '__qualname__', self.fn)} is traced for the "
                               f"{_MANY_TRACES + 1}th time: something it depends on changes from call to call (input "
                               "shapes or layouts, a number in a global or closure it reads); pass a changing "
-                              "number as a tensor argument", stacklevel=3)
+                              "number as a tensor argument", stacklevel=4)
 
             t0 = time.perf_counter()
             g = capture(self.fn, args, kwargs)

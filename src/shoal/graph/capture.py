@@ -157,7 +157,7 @@ def function_key(fn) -> tuple:
     if code is None:
         return (id(fn),)
     glb = getattr(fn, "__globals__", {})
-    key = [id(code)]
+    key = []
     for name in code.co_names:
         if name in glb:
             key.append((name, _by_value(glb[name])))
