@@ -136,7 +136,7 @@ def short(err: BaseException) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first one compiles)")
     ap.add_argument("--only", default="A,B,C", help="sections to run, e.g. A,C")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps x 1 repeat, 2 warm-up steps")
