@@ -435,3 +435,17 @@ def test_a_worker_thread_runs_kernels_on_its_share_of_the_intra_op_threads():
     finally:
         torch.set_num_threads(prev)
     assert seen["threads"] == 8 // len(shoal.world().local_devices)
+
+
+def test_a_failed_run_returns_only_when_none_of_its_tasks_is_running():
+    """Device 0 fails at once while device 1 is busy: the error reaches the caller after device 1's
+    firing has finished, so nothing of the failed run touches memory after the caller has it."""
+    mesh = shoal.Mesh([0, 1])
+    w, big = torch.randn(5, 3), torch.randn(700, 700)
+    f = shoal.compile(lambda w, i, big: torch.nn.functional.embedding(i, w).sum() + (big @ big @ big).sum())
+    bad = torch.tensor([[0, 9], [1, 2]])  # out of range on device 0's rows only
+    args = [shoal.to_global(t, mesh, sbp) for t, sbp in ((w, shoal.B), (bad, shoal.S(0)), (big, shoal.B))]
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="IndexError"):
+            f(*args)
+        assert f._last[2]._running == 0

@@ -67,6 +67,7 @@ class Runtime:
         self._queues = {a.thread: self._mine if a.thread in (first, "host") else _queue(a.thread)
                         for a in self._actors}
         self._run_id = 0  # firings queued for an earlier (failed) run are dropped
+        self._running = 0  # firings being run now
         self._error = None
         self._wire()
 
@@ -113,11 +114,16 @@ class Runtime:
         sys.setswitchinterval(_SWITCH)  # hand the GIL between actor threads often, so that they overlap
         try:
             self._run_all()
+        except BaseException as e:  # an interrupt in the caller: the run stops like a failed one
+            with self._lock:
+                if self._error is None:
+                    self._error = e
         finally:
             sys.setswitchinterval(switch)
         if self._error is not None:
+            self._drain()
             err, self._error = self._error, None
-            raise err  # firings of this run still queued are dropped (see _fire)
+            raise err
         final = {}
         for r in self._results:
             final.update(r)
@@ -188,9 +194,26 @@ class Runtime:
                     out.append(self._static[lid])
         return out
 
+    def _drain(self) -> None:
+        """After a failure: wait for the firings already running (those still queued are dropped),
+        so that none of this run touches memory after the caller has the error."""
+        until = time.monotonic() + self.timeout
+        while self._running and time.monotonic() < until:
+            time.sleep(1e-3)
+
     def _fire(self, run_id: int, a: Actor, k: int) -> None:
-        if run_id != self._run_id or self._error is not None:
-            return  # left over from a run that failed
+        with self._lock:
+            if run_id != self._run_id or self._error is not None:
+                return  # left over from a run that failed
+            self._running += 1
+        try:
+            self._fire_one(run_id, a, k)
+        finally:
+            with self._lock:
+                self._running -= 1
+            self._mine.put(None)  # wake the caller
+
+    def _fire_one(self, run_id: int, a: Actor, k: int) -> None:
         t0 = time.perf_counter()
         try:
             ins = self._inputs(a, k)
@@ -198,17 +221,18 @@ class Runtime:
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             with self._lock:
                 if self._error is None:
-                    self._error = RuntimeError(f"shoal runtime: {a.task.name} failed on piece {k}: {e!r}")
-                    self._error.__cause__ = e
-            self._mine.put(None)  # wake the caller
+                    if isinstance(e, KeyboardInterrupt):  # the caller's own firing was interrupted
+                        self._error = e
+                    else:
+                        self._error = RuntimeError(f"shoal runtime: {a.task.name} failed on piece {k}: {e!r}")
+                        self._error.__cause__ = e
             return
         t1 = time.perf_counter()
         with self._lock:
             if run_id != self._run_id:
-                return  # its run failed meanwhile and another one started
+                return  # its run gave up waiting for it (a timeout) and another one started
             self.timeline.append(Firing(a.task.name, k, a.thread, t0 - self._t0, t1 - self._t0))
             self._finish(a, k, ins, outs)
-        self._mine.put(None)
 
     def _finish(self, a: Actor, k: int, ins, outs) -> None:
         a.busy = False
