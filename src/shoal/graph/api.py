@@ -199,7 +199,7 @@ def _get(lid, final: dict, static: dict):
 
 
 def _shards(v: Value, final: dict, static: dict) -> tuple:
-    return tuple(None if lid is None else final[lid] if lid in final else static[lid] for lid in v.locals)
+    return tuple(None if lid is None else _get(lid, final, static) for lid in v.locals)
 
 
 def _write_state(g: Graph, static: dict, final: dict) -> None:

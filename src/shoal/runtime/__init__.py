@@ -20,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 __all__ = ["Actor", "Runtime", "Firing"]
 
 _SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many small ops starve the others
@@ -62,7 +64,8 @@ class Runtime:
         # with one device computes on one thread, with no hand-offs (a second thread with its own
         # OpenMP team makes libgomp stop spinning between parallel regions, and every kernel then
         # pays a wake-up, eager torch in the same process included).
-        first = min((a.thread for a in self._actors if a.thread.startswith("dev")), key=_device_key, default=None)
+        first = min((a.thread for a in self._actors if a.thread.startswith("dev")), key=lambda t: int(t[3:]),
+                    default=None)
         self._mine: queue.SimpleQueue = queue.SimpleQueue()
         self._queues = {a.thread: self._mine if a.thread in (first, "host") else _queue(a.thread)
                         for a in self._actors}
@@ -299,8 +302,6 @@ def _queue(name: str) -> queue.SimpleQueue:
     with _QUEUES_LOCK:
         q = _QUEUES.get(name)
         if q is None:
-            import torch
-
             from ..world import world
 
             # CPU kernels on a worker use a share of the caller's intra-op threads (collectives and
@@ -316,8 +317,6 @@ def _queue(name: str) -> queue.SimpleQueue:
 
 
 def _serve(q: queue.SimpleQueue, threads: int, ready: threading.Event) -> None:
-    import torch
-
     torch.get_num_threads()  # ATen sets a thread's count from the process default on first use: now
     torch.set_num_threads(threads)
     ready.set()
@@ -325,10 +324,6 @@ def _serve(q: queue.SimpleQueue, threads: int, ready: threading.Event) -> None:
         rt, run_id, a, k = q.get()
         rt._fire(run_id, a, k)
         del rt, a  # hold no runtime between firings
-
-
-def _device_key(thread: str) -> int:
-    return int(thread[3:])
 
 
 def _thread_of(t) -> str:
