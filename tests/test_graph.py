@@ -7,6 +7,7 @@ and bias corrections as tensors) where eager runs the float path: the same arith
 differently, hence a small absolute floor as in test_models.
 """
 
+import copy
 import dataclasses
 import json
 
@@ -70,7 +71,7 @@ def test_listing_shows_values_ops_and_boxing():
     assert "state blocks.0.attn.q.weight: %" in text and "float32[32, 32] [B]" in text
     assert "addmm.default(" in text and "box " in text
     assert "comm.all_reduce over devices [0, 1, 2, 3]" in text  # the gradient buckets
-    assert "state opt[param0].exp_avg <- %" in text
+    assert "state opt[tok_emb.weight].exp_avg <- %" in text  # optimizer state named by its parameter
     assert "planned peak bytes per device" in text
 
 
@@ -165,6 +166,32 @@ def test_numbers_read_from_globals_and_closures_retrace_when_they_change():
         for k in range(8):
             shift = k
             assert_same_value(f(ga), a * 2 + k)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, t):
+        return self.lin(t) * SCALE
+
+
+def test_numbers_read_by_a_modules_forward_retrace_when_they_change():
+    global SCALE
+    SCALE = 2.0
+    torch.manual_seed(0)
+    plain = _Scaled()
+    mesh = shoal.Mesh([0, 1])
+    model = shoal.distribute_module(copy.deepcopy(plain), mesh)
+    a = torch.randn(4, 3)
+    ga = shoal.to_global(a, mesh, shoal.S(0))
+    f = shoal.compile(lambda m, t: m(t))
+    with torch.no_grad():
+        assert_same_value(f(model, ga), plain(a))
+        SCALE = 3.0
+        assert_same_value(f(model, ga), plain(a))
+    assert f.traces == 2
 
 
 def test_every_pass_leaves_a_valid_graph_and_the_verifier_catches_a_broken_one():

@@ -106,7 +106,9 @@ class GlobalTensor(torch.Tensor):
 
     def full(self) -> torch.Tensor:
         """A plain tensor holding the global value (gathered on every process); differentiable."""
-        return _ToFull.apply(self)
+        if self.requires_grad and torch.is_grad_enabled():
+            return _ToFull.apply(self)
+        return _full_value(self)
 
     def to_local(self, device: int | None = None):
         """The shard of ``device``; without it, this process's shard, or {device: shard} if it owns several."""
@@ -194,20 +196,24 @@ def _to_spec(g, spec: TensorSpec) -> GlobalTensor:
     return _box(g, spec)
 
 
+def _full_value(x: GlobalTensor) -> torch.Tensor:
+    rep = x._spec.with_sbp((Broadcast(),) * x.mesh.ndim)
+    shards = x._shards_as(rep)
+    mesh = x.mesh
+    w = world()
+    if w.processes == 1:
+        return shards[mesh.local_positions[0]].clone()
+    # every process gets the value, those outside the mesh too: one broadcast from its first device
+    src = w.process_of(mesh.devices[0])
+    mine = shards[0].clone() if w.rank == src else None
+    return comm.broadcast_all(mine, src, x.shape, x.dtype, w.torch_device(w.local_devices[0]))
+
+
 class _ToFull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor):
         ctx.spec = x._spec
-        rep = x._spec.with_sbp((Broadcast(),) * x.mesh.ndim)
-        shards = x._shards_as(rep)
-        mesh = x.mesh
-        w = world()
-        if w.processes == 1:
-            return shards[mesh.local_positions[0]].clone()
-        # every process gets the value, those outside the mesh too: one broadcast from its first device
-        src = w.process_of(mesh.devices[0])
-        mine = shards[0].clone() if w.rank == src else None
-        return comm.broadcast_all(mine, src, x.shape, x.dtype, w.torch_device(w.local_devices[0]))
+        return _full_value(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):

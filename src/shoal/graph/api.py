@@ -76,8 +76,7 @@ class CompiledStep:
             outs += self._run(pieces[len(outs):])
         return outs
 
-    def _entry(self, args, kwargs):
-        key = (function_key(self.fn), guard_key(args, kwargs))
+    def _entry(self, key, args, kwargs):
         entry = self._cache.get(key)
         if entry is None:
             from ..runtime import Runtime
@@ -108,13 +107,16 @@ class CompiledStep:
         """Run as many of ``pieces`` ((args, kwargs) each) as the first one's graph can take in flight;
         their results."""
         args, kwargs = pieces[0]
-        entry = self._entry(args, kwargs)
+        objs = leaves(args, kwargs)
+        key, places = guard_key(objs)
+        entry = self._entry((function_key(self.fn), key), args, kwargs)
         self._last = entry
         g, plan, rt, creates = entry
         if creates:
             pieces = pieces[:1]
-        static = _bind(g, plan, args, kwargs)
-        per_piece = [_bind_inputs(g, plan, p, k) for k, p in enumerate(pieces)] if len(pieces) > 1 else None
+        static = _bind(g, plan, objs, places)
+        per_piece = ([_bind_inputs(g, plan, leaves(*p), k) for k, p in enumerate(pieces)] if len(pieces) > 1
+                     else None)
         results, final = rt.run(static, len(pieces), per_piece)
         _write_state(g, static, final)
         return [_build(g.outputs, r, static) for r in results]
@@ -168,23 +170,23 @@ def _bind_one(env: dict, v, o, plan: Plan) -> None:
         env[v] = o
 
 
-def _bind(g: Graph, plan: Plan, args, kwargs) -> dict:
+def _bind(g: Graph, plan: Plan, objs: list, places: list) -> dict:
     """Local id -> tensor for everything a run reads before its first op: constants, the numbers read
-    at every call, the arguments, the state."""
+    at every call, the arguments (``objs``: their leaves), the state (``places``: guard_key's, in the
+    order of the graph's slots)."""
     env = dict(g.constants)
     for owner, key, lid, dtype in g.scalars:
         env[lid] = torch.tensor(owner[key], dtype=dtype)
-    env.update(_bind_inputs(g, plan, (args, kwargs), 0))
-    for s in g.slots:
+    env.update(_bind_inputs(g, plan, objs, 0))
+    for s, (_, _, o) in zip(g.slots, places):
         if s.before is not None:
-            _bind_one(env, s.before, s.get(), plan)
+            _bind_one(env, s.before, o, plan)
     return env
 
 
-def _bind_inputs(g: Graph, plan: Plan, piece, k: int) -> dict:
-    """The arguments of micro-batch ``k``."""
+def _bind_inputs(g: Graph, plan: Plan, objs: list, k: int) -> dict:
+    """The arguments of micro-batch ``k`` (``objs``: their leaves)."""
     env: dict = {}
-    objs = leaves(*piece)
     for i, path, v in g.inputs:
         o = objs[i][1]
         if isinstance(v, Value) and o._spec != v.spec:
@@ -203,11 +205,15 @@ def _shards(v: Value, final: dict, static: dict) -> tuple:
 
 
 def _write_state(g: Graph, static: dict, final: dict) -> None:
+    # kept slots need nothing when the run handed back the very shards it was given (updated in place)
+    moved = any(lid in final and final[lid] is not static[lid] for lid in g.kept)
     for s in g.slots:
         a = s.after
         if a is None:
             if s.key is not None and s.get() is not None:
                 s.set(None)
+        elif s.kept and not moved:
+            continue
         elif isinstance(a, Value):
             if s.same or s.key is None:
                 t = s.get()

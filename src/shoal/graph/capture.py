@@ -14,8 +14,9 @@ import time
 import torch
 from torch import nn
 
+from ..sbp import Partial
 from ..tensor import GlobalTensor
-from .ir import Graph, Ref, Slot
+from .ir import Graph, Ref, Slot, Value
 from .trace import TraceError, Tracer
 
 __all__ = ["capture", "function_key", "guard_key", "state_slots"]
@@ -59,90 +60,118 @@ def _tensor_key(t):
     return ("T", tuple(t.shape), t.dtype, t.stride(), t.device)
 
 
-def _modules(m: nn.Module, name: str, seen: set, out: list) -> list:
-    """``m`` and its submodules, each once, pre-order, with their names (named_modules, cheaper)."""
+def _module_tree(m: nn.Module, seen: set, out: list) -> list:
+    """``m`` and its submodules not in ``seen`` (ids), pre-order (named_modules without the names:
+    this runs at every call)."""
     if id(m) not in seen:
         seen.add(id(m))
-        out.append((name, m))
-        for n, c in m._modules.items():
+        out.append(m)
+        for c in m._modules.values():
             if c is not None:
-                _modules(c, f"{name}.{n}" if name else n, seen, out)
+                _module_tree(c, seen, out)
     return out
 
 
-def _places(o):
-    """Where the state of a module or optimizer lives: (owner, key, label, value) per place, with
-    ``owner[key]`` or ``owner.key`` holding a tensor (or a gradient not made yet); key None: the
-    GlobalTensor ``owner`` itself, written in place."""
-    if isinstance(o, nn.Module):
-        seen: set = set()
-        for mname, m in _modules(o, "", set(), []):
-            for pname, p in m._parameters.items():
-                if isinstance(p, GlobalTensor) and id(p) not in seen:
-                    seen.add(id(p))
-                    name = f"{mname}.{pname}" if mname else pname
-                    yield p, None, name, p
-                    yield p, "grad", f"{name}.grad", p.grad
-            for bname, b in m._buffers.items():
+def _param_places(p, seen: set, out: list) -> None:
+    if isinstance(p, GlobalTensor) and id(p) not in seen:
+        seen.add(id(p))
+        out.append((p, None, p))
+        out.append((p, "grad", p.grad))
+
+
+def _places(o, seen: set, out: list, key: list) -> None:
+    """Append to ``out`` where the state of module or optimizer ``o`` lives, (owner, key, value) per
+    place, with ``owner[key]`` or ``owner.key`` holding a tensor (or a gradient not made yet); key
+    None: the GlobalTensor ``owner`` itself, written in place. Places already walked (``seen``) are
+    skipped. Appends to ``key`` what else a graph depends on: training flags, the globals the
+    modules' ``forward`` read, optimizer settings and which state each parameter has."""
+    add = key.append
+    if id(o) in seen:
+        add(("again", id(o)))
+    elif isinstance(o, nn.Module):
+        mods = _module_tree(o, seen, [])
+        add(tuple(m.training for m in mods))
+        add(tuple(function_key(c.forward) for c in dict.fromkeys(type(m) for m in mods)))
+        for m in mods:
+            for p in m._parameters.values():
+                _param_places(p, seen, out)
+            bufs = m._buffers
+            for k, b in bufs.items():
                 if isinstance(b, GlobalTensor):
-                    yield m._buffers, bname, f"{mname}.{bname}" if mname else bname, b
-    elif isinstance(o, torch.optim.Optimizer):
-        i = 0
+                    out.append((bufs, k, b))
+    else:  # an optimizer
+        seen.add(id(o))
+        state = o.state
         for g in o.param_groups:
+            add(_hashable(_group_key(o, g)))
             for p in g["params"]:
-                name = f"param{i}"
-                i += 1
-                if isinstance(p, GlobalTensor):
-                    yield p, None, name, p
-                    yield p, "grad", f"{name}.grad", p.grad
-                st = o.state.get(p)
-                for k, v in (st or {}).items():
-                    if isinstance(v, torch.Tensor):  # other state (a Python number) is guarded by type
-                        yield st, k, f"opt[{name}].{k}", v
+                _param_places(p, seen, out)
+                st = state.get(p)
+                if not st:
+                    add(None)
+                    continue
+                add(tuple((k, type(v)) for k, v in st.items()))  # a Python number in the state: by type
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        out.append((st, k, v))
 
 
 def state_slots(objs) -> list[Slot]:
     """The state of the modules and optimizers among ``objs``, one Slot per place it lives."""
-    slots, seen = [], set()
+    places: list = []
+    seen: set = set()
     for _, o in objs:
-        for owner, key, label, _ in _places(o):
-            if (id(owner), key) not in seen:
-                seen.add((id(owner), key))
-                slots.append(Slot(owner, key, label, None))
-    return slots
+        if isinstance(o, (nn.Module, torch.optim.Optimizer)):
+            _places(o, seen, places, [])
+    labels = _labels(objs)
+    return [Slot(owner, k, labels.get((id(owner), k), "state"), None) for owner, k, _ in places]
 
 
-def guard_key(args: tuple, kwargs: dict) -> tuple:
-    """What a captured graph depends on besides the values of its tensors: the arguments' shapes,
-    dtypes, meshes and layouts, which modules and optimizers it was given and where their state
-    lives (the very objects: a graph reads and writes them), the state's layouts, optimizer
-    settings. (Called every step: kept cheap.)"""
+def _labels(objs) -> dict:
+    """(id(owner), key) -> a name for the listing: the parameter's name in its module, or the
+    optimizer's parameter number."""
+    out: dict = {}
+    for _, o in objs:
+        if isinstance(o, nn.Module):
+            for name, p in o.named_parameters():
+                out.setdefault((id(p), None), name)
+                out.setdefault((id(p), "grad"), f"{name}.grad")
+            for mname, m in o.named_modules():
+                for b in m._buffers:
+                    out.setdefault((id(m._buffers), b), f"{mname}.{b}" if mname else b)
+        elif isinstance(o, torch.optim.Optimizer):
+            params = [p for g in o.param_groups for p in g["params"]]
+            for i, p in enumerate(params):
+                out.setdefault((id(p), None), f"param{i}")
+                out.setdefault((id(p), "grad"), f"param{i}.grad")
+                for k in o.state.get(p, {}):
+                    out.setdefault((id(o.state[p]), k), f"opt[{out[(id(p), None)]}].{k}")
+    return out
+
+
+def guard_key(objs: list) -> tuple[tuple, list]:
+    """What a captured graph depends on besides the values of its tensors, for the arguments'
+    leaves ``objs``: their shapes, dtypes, meshes and layouts, which modules and optimizers it was
+    given and where their state lives (the very objects: a graph reads and writes them), the state's
+    layouts, optimizer settings; and the places (as ``state_slots`` orders them, with their values).
+    (Called every step: kept cheap.)"""
     key: list = []
     add = key.append
-    seen: set = set()  # places already keyed (an optimizer's parameters are usually a module's too)
-    for path, o in leaves(args, kwargs):
+    seen: set = set()
+    places: list = []
+    for path, o in objs:
         if isinstance(o, torch.Tensor):
             add(_tensor_key(o))
-            continue
-        if isinstance(o, nn.Module):
-            add((id(o), o.training))
-        elif isinstance(o, torch.optim.Optimizer):
+        elif isinstance(o, (nn.Module, torch.optim.Optimizer)):
             add(id(o))
-            for g in o.param_groups:
-                add(_hashable(_group_key(o, g)))
-                for p in g["params"]:
-                    st = o.state.get(p)
-                    add(tuple((k, type(v)) for k, v in st.items()) if st else None)
+            _places(o, seen, places, key)
         else:
             add((path, _hashable(o)))
-            continue
-        for owner, k, _, v in _places(o):
-            place = (id(owner), k)
-            if place not in seen:
-                seen.add(place)
-                add(place)
-                add(None if v is None else _tensor_key(v))
-    return tuple(key)
+    for owner, k, v in places:
+        add(id(owner))
+        add(k)
+        add(None if v is None else _tensor_key(v))
+    return tuple(key), places
 
 
 _SIMPLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -150,8 +179,8 @@ _SIMPLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 def function_key(fn) -> tuple:
     """What the step function reads besides its arguments: the globals its code names and the
-    variables it closes over (a number by value, anything else by identity). Code it calls (a
-    module's forward) is not looked into."""
+    variables it closes over (a number by value, anything else by identity). (``guard_key`` does the
+    same for the ``forward`` of the modules it is given; other code they call is not looked into.)"""
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -291,12 +320,16 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
             now = s.get()
             s.after = _state_ref(tr, now)
             s.same = now is not None and now is traced_obj[id(s)]
+            s.kept = (s.same and isinstance(s.before, Value) and isinstance(s.after, Value)
+                      and s.after.locals == s.before.locals and s.after.spec == s.before.spec
+                      and not any(isinstance(x, Partial) for x in s.after.spec.sbp))
         known = {(id(s.owner), s.key) for s in slots}
         for s in state_slots(objs):
             if (id(s.owner), s.key) not in known:
                 s.after = _state_ref(tr, s.get())
                 slots.append(s)
         g.slots = slots
+        g.kept = tuple(lid for s in slots if s.kept for lid in s.after.locals if lid is not None)
     except BaseException:
         for o, st in saved_opt:
             o.state.clear()

@@ -116,6 +116,7 @@ class Slot:
     before: object  # Value | Local id (host tensor) | None: what the step reads
     after: object = None  # Value | Local id | None: what the step leaves there
     same: bool = False  # the step leaves the very tensor object it found there (written in place)
+    kept: bool = False  # ... with the same layout (no Partial), its shards updated in place
 
     def get(self):
         if self.key is None:
@@ -142,6 +143,7 @@ class Graph:
     outputs: object = None  # the result's structure: Value / host Local id (as Ref) / constants
     out_refs: list = field(default_factory=list)  # Values and host Refs the result holds
     constants: dict = field(default_factory=dict)  # Local id -> a tensor captured at trace time
+    kept: tuple = ()  # the Locals of the kept slots (Slot.kept)
     scalars: list = field(default_factory=list)  # (dict, key, host Local id, dtype): a number read at every call
     devices: tuple = ()  # devices with ops, in order
     notes: list = field(default_factory=list)  # what the passes did, for the listing
