@@ -142,6 +142,15 @@ def test_state_objects_are_guarded_by_identity():
     f(b, gx)
     assert_same_value(b.weight, ref.weight)
     assert f.traces == 3
+    # written eagerly between steps, in place and by a new layout: the next step reads what is there
+    with torch.no_grad():
+        b.weight.mul_(0.5)
+        ref.weight.mul_(0.5)
+    b.bias.data = shoal.to_global(ref.bias.detach().clone(), mesh, shoal.S(0))
+    sgd(ref, x)
+    f(b, gx)
+    assert_same_value(b.weight, ref.weight)
+    assert_same_value(b.bias, ref.bias)
 
 
 SCALE = 2.0
