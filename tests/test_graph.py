@@ -61,6 +61,45 @@ def test_compiled_steps_match_eager(name, kind):
         assert_same_value(v.detach(), want[k].detach().full(), f"{name} {kind}: {k}", rtol=1e-5, atol=5e-6)
 
 
+def test_no_collective_hands_one_tensor_to_devices_that_write_it():
+    """Gradients kept between steps (zero_grad(set_to_none=False)) are zeroed in place after the
+    bucketed all-reduce made them: each device must own its copy, else zeroing one device's
+    gradient races another device still reading its own for the update."""
+    model, _ = build("gpt", "dp,tp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def keep_grads(model, opt, x, y):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss
+
+    compiled = shoal.compile(keep_grads)
+    x, y = batches("gpt")[0]
+    compiled(model, opt, x, y)
+    g = compiled.graph
+
+    def root(x):
+        while g.locals[x].base != x:
+            x = g.locals[x].base
+        return x
+
+    written = {root(x) for op in g.ops for x in op.writes}
+    shared = [op for op in g.ops if op.kind == "comm" and op.share_out]
+    assert any(op.kind == "comm" and not op.share_out for op in g.ops)
+    for op in shared:
+        assert not {root(x) for x in (*op.out_ids, *op.reads)} & written, op.name()
+    # and the steps match eager
+    eager, _ = build("gpt", "dp,tp")
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    keep_grads(eager, eager_opt, *batches("gpt")[0])
+    for x, y in batches("gpt")[1:3]:
+        assert_same_value(compiled(model, opt, x, y), keep_grads(eager, eager_opt, x, y), rtol=1e-5, atol=1e-6)
+    for (k, p), q in zip(eager.named_parameters(), model.parameters()):
+        assert_same_value(q, p, k, rtol=1e-5, atol=1e-6)
+
+
 def test_listing_shows_values_ops_and_boxing():
     model, opt = build("gpt", "dp")
     compiled = shoal.compile(step)
@@ -217,6 +256,11 @@ def test_every_pass_leaves_a_valid_graph_and_the_verifier_catches_a_broken_one()
     i = next(i for i, op in enumerate(g.ops) if op.out_ids and op.kind == "call")
     del g.ops[i]
     with pytest.raises(VerifyError, match="before it is made"):
+        verify(g)
+    # a view recorded as the view of another view, not of the storage's owner
+    views = [loc for loc in g.locals.values() if loc.base != loc.id]
+    views[0].base = views[1].id
+    with pytest.raises(VerifyError, match="must be the Local that allocated the storage"):
         verify(g)
 
 

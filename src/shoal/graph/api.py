@@ -136,11 +136,13 @@ def compile(fn=None, *, backend: str | None = None, micro_batches: int = 1, regi
 
 def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -> None:
     """Bind ``t``'s shards to ``v``'s Locals. Eager shares one piece of memory between devices
-    holding the same values (Broadcast on CPU); where the plan writes it, each device gets its own."""
+    holding the same values (Broadcast on CPU); where the plan writes it on any device, each device
+    gets its own."""
     shards = t._shards
-    if len(shards) == 1:
-        if v.locals[0] is not None:
-            env[v.locals[0]] = shards[0]
+    if len(shards) == 1 or not any(lid is not None and g.locals[lid].base in written for lid in v.locals):
+        for lid, s in zip(v.locals, shards):
+            if lid is not None:
+                env[lid] = s
         return
     seen = set()
     changed = False
@@ -148,14 +150,13 @@ def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -
         if lid is None:
             continue
         s = shards[p]
-        if g.locals[lid].base in written:
+        region = _region(s)
+        if region in seen:
+            if not changed:
+                shards, changed = list(shards), True
+            s = shards[p] = s.clone()
             region = _region(s)
-            if region in seen:
-                if not changed:
-                    shards, changed = list(shards), True
-                s = shards[p] = s.clone()
-                region = _region(s)
-            seen.add(region)
+        seen.add(region)
         env[lid] = s
     if changed:
         t._shards = tuple(shards)

@@ -118,6 +118,7 @@ def _fused_ops(g: Graph, b: _Bucket, next_id: list) -> list:
     first = b.members[0]
     ops.append(Op("comm", first.fn, (devs, [Ref(x) for x in flat_in], op_name), {}, [Ref(x) for x in flat_out], None,
                   node, reads=tuple(flat_in), out_ids=tuple(flat_out), devices=devs))
+    remap = {}  # a result of the members -> the reduced buffer it becomes a view of
     for i, d in enumerate(devs):
         parts = [new_local(d, (n,), flat_out[i]) for n in sizes]
         for p in parts:
@@ -127,8 +128,11 @@ def _fused_ops(g: Graph, b: _Bucket, next_id: list) -> list:
         for m, p in zip(b.members, parts):
             dst = m.outs[i].id
             loc = g.locals[dst]
-            loc.base = flat_out[i]  # the cut-apart result views the reduced buffer
             loc.nbytes = 0
+            remap[dst] = flat_out[i]
             ops.append(Op("call", aten.view.default, (Ref(p), list(loc.shape)), {}, Ref(dst), d, node, reads=(p,),
                           out_ids=(dst,)))
+    for v in g.locals.values():  # the cut-apart results view the reduced buffers, and so do views of them
+        if v.base in remap:
+            v.base = remap[v.base]
     return ops

@@ -13,8 +13,15 @@ class VerifyError(AssertionError):
 
 def verify(g: Graph, after: str = "") -> None:
     """Every Local is made once, before it is read, on the device of the op reading it; collectives
-    read and make Locals of the devices taking part; outputs and state are defined."""
+    read and make Locals of the devices taking part; outputs and state are defined; a Local's base
+    is the Local that allocated its storage (a view of a view names the first one: the hazards
+    between tasks, and whether a collective may hand out one tensor to several devices, are
+    decided by base)."""
     where = f" (after {after})" if after else ""
+    for x, loc in g.locals.items():
+        if g.locals[loc.base].base != loc.base:
+            raise VerifyError(f"Local {x} views Local {loc.base}, itself a view of {g.locals[loc.base].base}; "
+                              f"its base must be the Local that allocated the storage{where}")
     defined = g.bound()
     made: set = set()
     for i, op in enumerate(g.ops):
