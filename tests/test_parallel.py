@@ -84,6 +84,46 @@ def test_plan_errors():
         shoal.distribute_module(make_mlp(), mesh, shoal.Plan(inputs={"9": S(0)}))
 
 
+class TiedLM(torch.nn.Module):
+    """An embedding and an output layer sharing one weight (GPT-2 style)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(12, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 12, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+@pytest.mark.parametrize("plan", [None, {"emb.weight": S(0)}, {"emb.weight": S(1), "head.weight": S(1)}])
+def test_tied_weights_stay_tied(plan):
+    mesh = shoal.Mesh([0, 1, 2, 3])
+    x, y = torch.randint(0, 12, (8, 5)), torch.randint(0, 12, (8, 5))
+    ref = TiedLM()
+    m, c = (shoal.distribute_module(TiedLM(), mesh, plan) for _ in range(2))
+    assert m.head.weight is m.emb.weight and len(list(m.parameters())) == len(list(ref.parameters()))
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for model, fn in ((ref, step), (m, step), (c, shoal.compile(step))):  # eager and graph mode
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(2):
+            fn(model, opt, x, y)
+    for model in (m, c):
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_same_value(p, q.detach(), n)
+    with pytest.raises(ValueError, match="'head.weight' is the same tensor as 'emb.weight' \\(tied\\)"):
+        shoal.distribute_module(TiedLM(), mesh, {"emb.weight": S(0), "head.weight": S(1)})
+
+
 def test_gradients_on_one_device_are_whole_at_once():
     """A Partial gradient over a one-device axis is the gradient: it is called Broadcast by the hook,
     with no bucket (no copy into one, no reduction)."""

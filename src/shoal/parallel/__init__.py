@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
-from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp
+from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from ..tensor import GlobalTensor, to_global
 from .reducer import GradReducer
 
@@ -53,28 +53,17 @@ def distribute_module(
         plan = Plan(params=dict(plan))
     rep = (Broadcast(),) * mesh.ndim
     used = set()
+    done: dict = {}  # id of a tensor laid out already -> (its GlobalTensor, sbp, name): tied ones stay tied
     for mod_name, mod in module.named_modules():
         for pname, p in list(mod.named_parameters(recurse=False)):
             full = f"{mod_name}.{pname}" if mod_name else pname
-            layout = _pick(full, plan.params, used, rep)
-            sbp = _fit(layout, mesh, p, full)
-            value = p.detach()
-            if isinstance(value, GlobalTensor):
-                g = value.to_global(mesh, sbp)
-            else:
-                g = to_global(value, mesh, sbp)
-            param = nn.Parameter(g, requires_grad=p.requires_grad)
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(_keep_grad_global)
+            param = _laid_out(p, full, plan, used, mesh, rep, done, _param)
             setattr(mod, pname, param)
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is None:
                 continue
             full = f"{mod_name}.{bname}" if mod_name else bname
-            layout = _pick(full, plan.params, used, rep)
-            sbp = _fit(layout, mesh, b, full)
-            g = b.to_global(mesh, sbp) if isinstance(b, GlobalTensor) else to_global(b, mesh, sbp)
-            mod._buffers[bname] = g
+            mod._buffers[bname] = _laid_out(b, full, plan, used, mesh, rep, done, lambda g, b: g)
     if reduce_gradients:
         module._shoal_reducer = GradReducer([p for p in module.parameters() if isinstance(p, GlobalTensor)])
     unused = [p for p in plan.params if p not in used]
@@ -97,6 +86,34 @@ def _keep_grad_global(p: GlobalTensor) -> None:
     g = p.grad
     if g is not None and not isinstance(g, GlobalTensor):
         p.grad = to_global(g, p.mesh, tuple(Broadcast() if isinstance(s, Partial) else s for s in p.sbp))
+
+
+def _param(g: GlobalTensor, p: torch.Tensor) -> nn.Parameter:
+    param = nn.Parameter(g, requires_grad=p.requires_grad)
+    if param.requires_grad:
+        param.register_post_accumulate_grad_hook(_keep_grad_global)
+    return param
+
+
+def _laid_out(t: torch.Tensor, name: str, plan: Plan, used: set, mesh: Mesh, rep, done: dict, wrap):
+    """``t`` laid out per the plan's layout for ``name``, made by ``wrap(global_tensor, t)``; a
+    tensor met again under another name (tied weights) is the one made the first time, in its
+    layout, unless the plan names a different layout for it."""
+    layout = _pick(name, plan.params, used, None)
+    if id(t) in done:
+        g, sbp, first = done[id(t)]
+        if layout is not None and _fit(layout, mesh, t, name) != sbp:
+            raise ValueError(
+                f"distribute_module: {name!r} is the same tensor as {first!r} (tied), laid out "
+                f"{sbp_str(sbp)} as {first!r}; the plan gives {name!r} {sbp_str(_fit(layout, mesh, t, name))}. "
+                "Give both names one layout"
+            )
+        return g
+    sbp = _fit(rep if layout is None else layout, mesh, t, name)
+    value = t.detach()
+    g = wrap(value.to_global(mesh, sbp) if isinstance(value, GlobalTensor) else to_global(value, mesh, sbp), t)
+    done[id(t)] = (g, sbp, name)
+    return g
 
 
 def _pick(name: str, patterns: Mapping[str, Layout], used: set, default: Layout) -> Layout:
