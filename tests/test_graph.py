@@ -517,6 +517,29 @@ def test_a_worker_thread_runs_kernels_on_its_share_of_the_intra_op_threads():
     assert seen["threads"] == 8 // len(shoal.world().local_devices)
 
 
+def test_the_caller_computes_on_its_share_of_the_intra_op_threads(monkeypatch):
+    """While a plan over several local devices runs, the calling thread (which computes for the first
+    of them) uses its share of the intra-op threads, as the workers do: n threads for each of the d
+    devices would oversubscribe the cores. A one-device plan keeps them all; afterwards the caller's
+    count is what it was."""
+    from shoal import runtime
+
+    seen = []
+    run_all = runtime.Runtime._run_all
+    monkeypatch.setattr(runtime.Runtime, "_run_all", lambda self: (seen.append(torch.get_num_threads()), run_all(self)))
+    f = shoal.compile(lambda t: (t * 2).sum())
+    prev = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        for devices in ([0, 1, 2, 3], [0]):
+            t = torch.randn(8, 3)
+            assert_same_value(f(shoal.to_global(t, shoal.Mesh(devices), shoal.S(0))), (t * 2).sum())
+            assert torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(prev)
+    assert seen == [2, 8]
+
+
 def test_a_failed_run_returns_only_when_none_of_its_tasks_is_running():
     """Device 0 fails at once while device 1 is busy: the error reaches the caller after device 1's
     firing has finished, so nothing of the failed run touches memory after the caller has it."""

@@ -66,6 +66,7 @@ class Runtime:
         # pays a wake-up, eager torch in the same process included).
         first = min((a.thread for a in self._actors if a.thread.startswith("dev")), key=lambda t: int(t[3:]),
                     default=None)
+        self._devices = len({a.thread for a in self._actors if a.thread.startswith("dev")})
         self._mine: queue.SimpleQueue = queue.SimpleQueue()
         self._queues = {a.thread: self._mine if a.thread in (first, "host") else _queue(a.thread)
                         for a in self._actors}
@@ -115,6 +116,9 @@ class Runtime:
         self._t0 = time.perf_counter()
         switch = sys.getswitchinterval()
         sys.setswitchinterval(_SWITCH)  # hand the GIL between actor threads often, so that they overlap
+        threads = torch.get_num_threads()
+        if self._devices > 1:  # the caller computes for one device: on its share of the cores, as workers do
+            torch.set_num_threads(max(1, threads // self._devices))
         try:
             self._run_all()
         except BaseException as e:  # an interrupt in the caller: the run stops like a failed one
@@ -123,6 +127,8 @@ class Runtime:
                     self._error = e
         finally:
             sys.setswitchinterval(switch)
+            if self._devices > 1:
+                torch.set_num_threads(threads)
         if self._error is not None:
             if not isinstance(self._error, TimeoutError):  # a stuck run: its firings may never end
                 self._drain()
