@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.testing import check
+import shoal
+from shoal.testing import assert_same_value, check
 
 _G = torch.Generator().manual_seed(0)
 
@@ -141,3 +142,15 @@ def test_plain_tensors_are_broadcast(meshes):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # masked_fill has no rule yet: it falls back, correctly
         check(plain_mask_and_positions, [r(5, 7)], meshes[(2, 2)], max_combos=None)
+
+
+def test_the_oracle_rejects_copies_that_disagree():
+    """A Broadcast value is one value: devices holding different numbers for it fail the oracle even
+    when the copy that full() reads is right."""
+    mesh = shoal.Mesh([0, 1])
+    t = torch.randn(3, 4)
+    g = shoal.from_local({0: t.clone(), 1: t + 1e-3}, mesh, shoal.B)
+    with pytest.raises(AssertionError, match="the copies on devices 0 and 1 of a \\[B\\] value differ"):
+        assert_same_value(g, t)
+    assert_same_value(shoal.from_local({0: t.clone(), 1: t.clone()}, mesh, shoal.B), t)
+    assert_same_value(shoal.from_local({0: t - 1.0, 1: t.new_ones(3, 4)}, mesh, shoal.P), t)  # pieces of a sum

@@ -82,6 +82,7 @@ def assert_same_value(got, ref, what: str = "", rtol: float = 1e-5, atol: float 
                 have = tuple(got._shards[p].shape)
                 if have != want:
                     raise AssertionError(f"{what}: shard {p} has shape {list(have)}, its spec says {list(want)}")
+            _same_replicas(got, what, rtol, atol)
             got = got.full()
         torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}: {m}")
     elif isinstance(ref, (list, tuple)):
@@ -93,6 +94,25 @@ def assert_same_value(got, ref, what: str = "", rtol: float = 1e-5, atol: float 
             raise AssertionError(f"{what}: {got!r} != {ref!r}")
     elif got != ref:
         raise AssertionError(f"{what}: {got!r} != {ref!r}")
+
+
+def _same_replicas(t: GlobalTensor, what: str, rtol: float, atol: float) -> None:
+    """Devices holding the same piece of a value without Partial axes (they differ only along
+    Broadcast axes) hold the same numbers: whichever copy is read, it is one global value. (Boxing
+    may sum in a different order on each device: equal within the tolerance, not bit for bit.)"""
+    if any(isinstance(s, Partial) for s in t.sbp):
+        return
+    mesh, groups = t.mesh, {}
+    for p in mesh.local_positions:
+        coord = mesh.coord_of(mesh.devices[p])
+        groups.setdefault(tuple(None if isinstance(s, Broadcast) else c for c, s in zip(coord, t.sbp)), []).append(p)
+    for ps in groups.values():
+        for q in ps[1:]:
+            torch.testing.assert_close(
+                t._shards[q], t._shards[ps[0]], rtol=rtol, atol=atol, equal_nan=True,
+                msg=lambda m, q=q, p=ps[0]: f"{what}: the copies on devices {mesh.devices[p]} and {mesh.devices[q]} "
+                f"of a {sbp_str(t.sbp)} value differ: {m}",
+            )
 
 
 def _flat_tensors(obj) -> list[torch.Tensor]:

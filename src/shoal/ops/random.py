@@ -54,7 +54,9 @@ def _native_dropout(x, p: float, train: bool | None):
 
 register(
     aten.native_dropout.default,
-    Rule(decompose=lambda call, specs: True, decomposition=_native_dropout, name="native_dropout"),
+    # always decomposed: run per device, even replicated, each device would draw its own mask
+    Rule(decompose=lambda call, specs: True, decomposition=_native_dropout, check_nd=lambda *a: False,
+         name="native_dropout"),
 )
 
 
