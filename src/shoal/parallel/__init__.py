@@ -100,16 +100,15 @@ def _laid_out(t: torch.Tensor, name: str, plan: Plan, used: set, mesh: Mesh, rep
     tensor met again under another name (tied weights) is the one made the first time, in its
     layout, unless the plan names a different layout for it."""
     layout = _pick(name, plan.params, used, None)
+    sbp = _fit(rep if layout is None else layout, mesh, t, name)
     if id(t) in done:
-        g, sbp, first = done[id(t)]
-        if layout is not None and _fit(layout, mesh, t, name) != sbp:
+        g, first_sbp, first = done[id(t)]
+        if layout is not None and sbp != first_sbp:
             raise ValueError(
                 f"distribute_module: {name!r} is the same tensor as {first!r} (tied), laid out "
-                f"{sbp_str(sbp)} as {first!r}; the plan gives {name!r} {sbp_str(_fit(layout, mesh, t, name))}. "
-                "Give both names one layout"
+                f"{sbp_str(first_sbp)} as {first!r}; the plan gives {name!r} {sbp_str(sbp)}. Give both names one layout"
             )
         return g
-    sbp = _fit(rep if layout is None else layout, mesh, t, name)
     value = t.detach()
     g = wrap(value.to_global(mesh, sbp) if isinstance(value, GlobalTensor) else to_global(value, mesh, sbp), t)
     done[id(t)] = (g, sbp, name)
