@@ -64,9 +64,9 @@ class Runtime:
         # with one device computes on one thread, with no hand-offs (a second thread with its own
         # OpenMP team makes libgomp stop spinning between parallel regions, and every kernel then
         # pays a wake-up, eager torch in the same process included).
-        first = min((a.thread for a in self._actors if a.thread.startswith("dev")), key=lambda t: int(t[3:]),
-                    default=None)
-        self._devices = len({a.thread for a in self._actors if a.thread.startswith("dev")})
+        devs = {a.thread for a in self._actors if a.thread.startswith("dev")}
+        first = min(devs, key=lambda t: int(t[3:]), default=None)
+        self._devices = len(devs)
         self._mine: queue.SimpleQueue = queue.SimpleQueue()
         self._queues = {a.thread: self._mine if a.thread in (first, "host") else _queue(a.thread)
                         for a in self._actors}
@@ -118,7 +118,7 @@ class Runtime:
         sys.setswitchinterval(_SWITCH)  # hand the GIL between actor threads often, so that they overlap
         threads = torch.get_num_threads()
         if self._devices > 1:  # the caller computes for one device: on its share of the cores, as workers do
-            torch.set_num_threads(max(1, threads // self._devices))
+            torch.set_num_threads(_share(threads, self._devices))
         try:
             self._run_all()
         except BaseException as e:  # an interrupt in the caller: the run stops like a failed one
@@ -313,13 +313,18 @@ def _queue(name: str) -> queue.SimpleQueue:
             # CPU kernels on a worker use a share of the caller's intra-op threads (collectives and
             # host work one): more OpenMP threads than cores make every team stop spinning
             n = torch.get_num_threads()
-            share = max(1, n // len(world().local_devices)) if name.startswith("dev") else 1
+            share = _share(n, len(world().local_devices)) if name.startswith("dev") else 1
             q = _QUEUES[name] = queue.SimpleQueue()
             ready = threading.Event()
             threading.Thread(target=_serve, args=(q, share, ready), name=f"shoal-{name}", daemon=True).start()
             ready.wait()
             torch.set_num_threads(n)  # the process-wide default is the caller's again
         return q
+
+
+def _share(threads: int, devices: int) -> int:
+    """Intra-op threads of one device's compute thread when ``devices`` compute side by side."""
+    return max(1, threads // devices)
 
 
 def _serve(q: queue.SimpleQueue, threads: int, ready: threading.Event) -> None:
