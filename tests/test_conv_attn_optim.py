@@ -141,8 +141,7 @@ def test_foreach_mixed_layouts(name, mesh_shape, meshes):
     shapes = [(5, 3), (2,), (7,), ()]
     for seed in range(4):
         ref = [[r(*s) for s in shapes] for _ in range(3)]
-        # the generic rule refuses to write Partial elements (see the next test)
-        glob = [_mixed(lst, mesh, seed * 10 + j, partial=j > 0 or name != "clamp_min_") for j, lst in enumerate(ref)]
+        glob = [_mixed(lst, mesh, seed * 10 + j) for j, lst in enumerate(ref)]
         plain = [[t.clone() for t in lst] for lst in ref]
         what = f"{name} seed {seed}: layouts {[[str(t.sbp) for t in lst] for lst in glob]}"
         want = FOREACH[name](*plain)
@@ -176,11 +175,19 @@ def test_foreach_inplace_on_shared_shards(mesh_shape, meshes):
     assert cov.by_decomposition[torch.ops.aten._foreach_add_.List] == 1
 
 
-def test_foreach_generic_rule_refuses_inexact_writes(meshes):
-    """A pointwise foreach op without its own rule cannot write a Partial element exactly: it says so."""
-    x = make_global(r(5, 3), meshes[(2,)], P)
-    with pytest.raises(ValueError, match="cannot compute in place exactly"):
-        torch._foreach_clamp_min_([x], 0.0)
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_foreach_generic_rule_writes_partial_elements_exactly(mesh_shape, meshes):
+    """A pointwise foreach op without its own rule (clamp is not linear) writing Partial elements in
+    place runs out of place and copies back, as the explicit rules do (clip_grad_value_ on the
+    Partial gradients of a split batch)."""
+    mesh = meshes[mesh_shape]
+    ts = [r(5, 3), r(4)]
+    glob = [make_global(t, mesh, [P] * mesh.ndim, seed=i) for i, t in enumerate(ts)]
+    shoal.coverage(reset=True)
+    torch._foreach_clamp_min_(glob, 0.1)
+    torch._foreach_clamp_min_(ts, 0.1)
+    assert_same_value(glob, ts, "clamp_min_ of Partial elements")
+    assert shoal.coverage().by_decomposition[torch.ops.aten._foreach_clamp_min_.Scalar] == 1
 
 
 def test_foreach_types_registered():
@@ -227,12 +234,13 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 @pytest.mark.parametrize("mesh_shape", list(LAYOUTS))
 def test_optimizer_steps_match_torch(mesh_shape, opt, clip):
     """Three steps on parameters with mixed layouts (gradients come out Partial where the batch is
-    split) give the parameters plain torch gives, on the foreach path, clip_grad_norm_ included."""
+    split) give the parameters plain torch gives, on the foreach path, clip_grad_norm_ and
+    clip_grad_value_ included."""
     ref, m, x, gx = _laid_out(mesh_shape)
     shoal.coverage(reset=True)
     for model, inp, foreach in ((ref, x, False), (m, gx, True)):
@@ -240,15 +248,18 @@ def test_optimizer_steps_match_torch(mesh_shape, opt, clip):
         for _ in range(3):
             optimizer.zero_grad()
             (model(inp) ** 2).mean().backward()
-            if clip:
+            if clip == "norm":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # foreach by default for GlobalTensors
+            elif clip == "value":
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
             optimizer.step()
     for (name, got), want in zip(m.named_parameters(), ref.parameters()):
         assert_same_value(got, want.detach(), f"{name} after 3 steps", rtol=1e-4, atol=1e-5)
     cov = shoal.coverage()
     ran = {str(op) for op in (*cov.by_rule, *cov.by_decomposition)}
     assert "aten._foreach_add_.List" in ran or "aten._foreach_addcdiv_.ScalarList" in ran
-    assert not clip or "aten._foreach_norm.Scalar" in ran
+    assert clip != "norm" or "aten._foreach_norm.Scalar" in ran
+    assert clip != "value" or "aten._foreach_clamp_min_.Scalar" in ran
     assert not cov.by_fallback, cov
 
 

@@ -200,7 +200,7 @@ def _inplace_local(call: Call, ins, outs):
     whose shards several devices share are written once: dispatch tracks each list element's memory.)"""
     where = _args(call)
     moved = [x for x in where.lists[0] if call.specs and _keep_size1(ins[x], call.specs[x]) != call.specs[x].sbp]
-    if moved:  # only the generic rule gets here: explicit in-place rules decompose such calls
+    if moved:  # the pointwise rules decompose such calls (_writes_partial): the fused optimizers get here
         raise ValueError(
             f"shoal: {call.func} writes list elements laid out {[str(call.specs[x].sbp) for x in moved]}, which "
             f"it cannot compute in place exactly (Partial, op not linear). Reduce them first, e.g. "
@@ -216,21 +216,17 @@ def _register_pointwise() -> list:
             ops.append((getattr(getattr(aten, f"_foreach_{base}"), ov), False))
             ops.append((getattr(getattr(aten, f"_foreach_{base}_"), ov), True))
     ops += [(aten._foreach_zero_.default, True), (aten._foreach_copy_.default, True)]
-    for op, inplace in ops:
-        if inplace:
-            rule = Rule(
-                _foreach,
-                nd=True,
-                local=_inplace_local,
-                local_ctx=True,
-                decompose=_writes_partial,
-                decomposition=_inplace_decomposition(op),
-                name="foreach_",
-            )
-        else:
-            rule = Rule(_foreach, nd=True, name="foreach")
-        register(op, rule)
+    for op, _ in ops:
+        register(op, _rule(op))
     return [op for op, _ in ops]
+
+
+def _rule(op) -> Rule:
+    """A pointwise foreach op's rule; one writing in place into a Partial element is decomposed."""
+    if not _base(op)[2]:
+        return Rule(_foreach, nd=True, name="foreach")
+    return Rule(_foreach, nd=True, local=_inplace_local, local_ctx=True, decompose=_writes_partial,
+                decomposition=_inplace_decomposition(op), name="foreach_")
 
 
 FOREACH_OPS = _register_pointwise()
@@ -283,18 +279,10 @@ def _other_pointwise_foreach(op) -> bool:
     return packet is not None and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 
 
-def _generic_local(call: Call, ins, outs):
-    if _base(call.func)[2]:
-        return _inplace_local(call, ins, outs)
-    return None  # the op itself runs on each device's shards
-
-
 # Without a rule, an in-place list op would run on Broadcast copies and its writes would be lost: give
 # the rest of the pointwise family the same signatures (Partial only through Broadcast, as none is
 # known to be linear). Validated through the explicit ones, which share the code.
-register_generic(
-    _other_pointwise_foreach, Rule(_foreach, nd=True, local=_generic_local, local_ctx=True, name="foreach")
-)
+register_generic(_other_pointwise_foreach, _rule)
 
 
 # -- norms ------------------------------------------------------------------------------------

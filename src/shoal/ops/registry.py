@@ -77,7 +77,7 @@ class Rule:
 
 
 _RULES: dict[torch._ops.OpOverload, Rule] = {}
-_GENERIC: list[tuple[Callable[[torch._ops.OpOverload], bool], Rule]] = []
+_GENERIC: list[tuple[Callable[[torch._ops.OpOverload], bool], Rule | Callable]] = []
 
 
 def register(ops: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], rule: Rule) -> Rule:
@@ -89,8 +89,10 @@ def register(ops: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], rule:
     return rule
 
 
-def register_generic(pred: Callable[[torch._ops.OpOverload], bool], rule: Rule) -> None:
-    """A rule for every op ``pred`` accepts (e.g. by ``torch.Tag.pointwise``), after explicit ones."""
+def register_generic(pred: Callable[[torch._ops.OpOverload], bool],
+                     rule: Rule | Callable[[torch._ops.OpOverload], Rule]) -> None:
+    """A rule for every op ``pred`` accepts (e.g. by ``torch.Tag.pointwise``), after explicit ones:
+    ``rule``, or the rule ``rule(op)`` makes for it."""
     _GENERIC.append((pred, rule))
     _RESOLVED.clear()
 
@@ -105,6 +107,8 @@ def lookup(func: torch._ops.OpOverload) -> Rule | None:
         rule = _RULES.get(func)
         if rule is None:
             rule = next((r for pred, r in _GENERIC if pred(func)), None)
+            if rule is not None and not isinstance(rule, Rule):
+                rule = rule(func)
         _RESOLVED[func] = rule
         return rule
 
