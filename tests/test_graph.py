@@ -192,6 +192,20 @@ def test_state_objects_are_guarded_by_identity():
     assert_same_value(b.bias, ref.bias)
 
 
+def test_a_plain_tensor_argument_written_in_place_is_written_once_per_call():
+    """The trace runs host work for real: on a copy of a plain tensor argument, not on the caller's
+    tensor, which the step itself then writes."""
+    mesh = shoal.Mesh([0, 1])
+    f = shoal.compile(lambda x, seen: (seen.add_(1), x * seen)[1])
+    counts = torch.zeros(3, 2)
+    seen = counts[:, 1]  # strided: the copy keeps the layout, views recorded against it stay valid
+    for n, rows in enumerate((4, 4, 6), start=1):  # the third call retraces
+        x = torch.randn(rows, 3)
+        assert_same_value(f(shoal.to_global(x, mesh, shoal.S(0)), seen), x * n)
+        assert counts.tolist() == [[0, n]] * 3
+    assert f.traces == 2
+
+
 SCALE = 2.0
 
 

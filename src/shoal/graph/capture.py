@@ -13,6 +13,7 @@ import time
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..sbp import Partial
 from ..tensor import GlobalTensor
@@ -302,6 +303,7 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
                 s.set(c)
                 host_swapped.append((s, v))
                 s.before = tr.host_input(c)
+        copies: dict = {}  # id(plain tensor argument) -> the copy the trace reads and writes (host work runs)
         for i, (path, o) in enumerate(objs):
             if isinstance(o, GlobalTensor):
                 stand_in(o)
@@ -310,7 +312,10 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
                 if o.requires_grad:
                     raise TraceError(f"shoal.compile: {path} is a plain tensor that requires grad; "
                                      "pass GlobalTensors or tensors without grad")
-                g.inputs.append((i, path, tr.host_input(o)))
+                c = copies.setdefault(id(o), _replica(o))
+                g.inputs.append((i, path, tr.host_input(c)))
+        if copies:
+            args, kwargs = tree_map(lambda t: copies.get(id(t), t), (args, kwargs))
         # the trace draws random numbers for real (host work runs): the step itself must draw the same
         with _same_random_state(), tr.patched(), _optimizers_traceable(opts, tr, g), tr:
             out = fn(*args, **kwargs)
@@ -347,6 +352,13 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
     g.ops = [op for op in g.ops if id(op) not in dead]
     g.notes.append(f"traced in {time.perf_counter() - t0:.2f} s")
     return g
+
+
+def _replica(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` laid out in memory as ``t`` is (offset and strides: the trace records views
+    against them)."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
 def _state_ref(tr: Tracer, v):
