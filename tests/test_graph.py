@@ -206,6 +206,34 @@ def test_a_plain_tensor_argument_written_in_place_is_written_once_per_call():
     assert f.traces == 2
 
 
+CALLS = torch.zeros(())
+
+
+def test_tensors_the_step_refers_to_are_written_once_per_call():
+    """A plain tensor in a global or a module attribute (not a buffer) that the step writes in place:
+    the trace's host work writes it for real, then gives it back its values."""
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.calls = torch.zeros(())
+
+        def forward(self, x):
+            self.calls.add_(1)
+            CALLS.add_(1)
+            return self.lin(x)
+
+    mesh = shoal.Mesh([0, 1])
+    m = shoal.distribute_module(Counting(), mesh)
+    f = shoal.compile(lambda m, x: m(x).sum())
+    x = shoal.to_global(torch.randn(4, 3), mesh, shoal.S(0))
+    CALLS.zero_()
+    for n in (1, 2, 3):
+        f(m, x)
+        assert (m.calls.item(), CALLS.item()) == (n, n)
+
+
 SCALE = 2.0
 
 

@@ -343,6 +343,7 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
             s.set(v) if s.key is not None else None
         raise
     finally:
+        tr.restore()
         for t, shards, spec, resolved in saved_gt.values():
             t._shards, t._spec, t._resolved = shards, spec, resolved
         for s, v in host_swapped:

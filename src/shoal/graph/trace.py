@@ -72,6 +72,7 @@ class Tracer(TorchDispatchMode):
         self._quiet = 0  # >0: inside a collective (recorded whole)
         self._floating: dict[int, list] = {}  # storage -> device ops made without device inputs, device not known yet
         self._next = 0
+        self._overwritten: dict[int, tuple] = {}  # constant Local -> (the tensor, its values before the trace wrote it)
 
     # -- Locals and Values ----------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -203,6 +204,10 @@ class Tracer(TorchDispatchMode):
         devices = {self.g.locals[lid].device for lid in lids} - {None}
         if len(devices) > 1:
             raise TraceError(f"shoal tracer: {func} mixes shards of devices {sorted(devices)}")
+        if func._schema.is_mutable:  # host work runs for real: a tensor the step only refers to gets its values back
+            for lid in _written(func, args, kwargs, self):
+                if lid in self.g.constants and lid not in self._overwritten:
+                    self._overwritten[lid] = (self.g.constants[lid], self.g.constants[lid].clone())
         out = func(*args, **kwargs)
         if devices:
             device = devices.pop()
@@ -225,6 +230,13 @@ class Tracer(TorchDispatchMode):
                 self.g.locals[o].device = device
             for r in (*op.reads, *op.out_ids):
                 self._settle(r, device)
+
+    def restore(self) -> None:
+        """Tensors the step refers to (globals, attributes) as they were before the trace wrote them."""
+        for t, before in self._overwritten.values():
+            with torch.no_grad():
+                t.copy_(before)
+        self._overwritten.clear()
 
     def unsettled(self) -> set:
         """Ops that only helped decide layouts (their results reached no device)."""
