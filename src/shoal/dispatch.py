@@ -202,6 +202,8 @@ def dispatch(func, args: tuple, kwargs: dict):
         key = None
         dec = None
     if dec is None:
+        if func is _COPY and _across_meshes(args):
+            return _copy_across_meshes(*args, **kwargs)
         if simple:  # decisions work on templates
             targs, tkwargs = _retemplate(args)
         dec = _decide(func, targs, tkwargs, tensors, _mesh_of(func, tensors))
@@ -316,6 +318,25 @@ def _check_same_program(func, args, kwargs) -> None:
 
 def _plain_key(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.stride(), t.device)
+
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def _across_meshes(args) -> bool:
+    dst, src = args[0], args[1]
+    return type(dst) is _GT and type(src) is _GT and dst._spec.mesh != src._spec.mesh
+
+
+def _copy_across_meshes(dst, src, non_blocking: bool = False):
+    """``dst.copy_(src)`` with ``src`` on another mesh (a state dict saved under another plan): the
+    value moves onto ``dst``'s mesh first, in ``dst``'s layout where the shapes match."""
+    from .tensor import _box
+
+    mesh = dst._spec.mesh
+    sbp = dst._spec.sbp if src.shape == dst.shape else (Broadcast(),) * mesh.ndim
+    moved = _box(src, TensorSpec(src._spec.shape, src.dtype, mesh, sbp))
+    return dispatch(_COPY, (dst, moved, non_blocking), {})
 
 
 def _mesh_of(func, tensors) -> Mesh:

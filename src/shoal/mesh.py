@@ -33,6 +33,14 @@ def _flatten(devices) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(itertools.chain.from_iterable(p[0] for p in parts)), (len(devices), *inner)
 
 
+def _nest(flat: tuple, shape: tuple) -> list:
+    """The row-major ``flat`` devices as nested lists of ``shape``."""
+    if len(shape) == 1:
+        return list(flat)
+    step = len(flat) // shape[0]
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
 @dataclass(frozen=True, init=False, eq=True)
 class Mesh:
     devices: tuple[int, ...]  # flattened, row-major
@@ -65,6 +73,11 @@ class Mesh:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self):
+        # rebuilt by __init__: cached properties (the hash, which devices this process owns) are
+        # recomputed where it is loaded, and the devices checked against that world
+        return Mesh, (_nest(self.devices, self.shape), self.axes)
 
     @cached_property
     def _hash(self) -> int:

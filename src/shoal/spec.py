@@ -40,6 +40,9 @@ class TensorSpec:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):  # the hash is recomputed where it is loaded (dtype and str hashes differ by process)
+        return TensorSpec, (self.shape, self.dtype, self.mesh, self.sbp)
+
     def __eq__(self, other) -> bool:
         if self is other:
             return True

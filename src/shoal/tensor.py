@@ -42,6 +42,10 @@ class GlobalTensor(torch.Tensor):
         r._resolved = None
         return r
 
+    def __reduce_ex__(self, protocol):
+        """Pickled (torch.save) as its layout, this process's shards and strides."""
+        return _unpickle, (self._spec, self._shards, self.stride(), self.requires_grad, getattr(self, "_is_param", False))
+
     def _shards_as(self, dst: TensorSpec) -> tuple:
         """This value's shards in layout ``dst`` (boxing if needed).
 
@@ -385,3 +389,15 @@ def from_local_batch(
             region[dim] = slice(region[dim].start - base, region[dim].stop - base)
             shards[mesh.devices[p]] = t[tuple(region)].to(w.torch_device(mesh.devices[p]))
     return from_local(shards, mesh, nd, shape=tuple(shape), dtype=t.dtype)
+
+
+def _unpickle(spec: TensorSpec, shards: tuple, stride, requires_grad: bool, param: bool = False) -> GlobalTensor:
+    t = GlobalTensor._make(spec, tuple(shards), stride, requires_grad)
+    if param:  # an nn.Parameter (a subclass's parameter is the subclass, flagged)
+        t._is_param = True
+    return t
+
+
+# torch.load's default unpickler (weights_only) builds only what it is told is safe: a saved state dict
+# of GlobalTensors (model or optimizer) holds these
+torch.serialization.add_safe_globals([_unpickle, TensorSpec, Mesh, Split, Broadcast, Partial])
