@@ -284,6 +284,27 @@ def test_numbers_read_by_a_modules_forward_retrace_when_they_change():
     assert f.traces == 2
 
 
+def _smoothed(logits, y):  # a helper of the step's: its globals are guarded too
+    return torch.nn.functional.cross_entropy(logits, y, label_smoothing=SCALE / 10)
+
+
+def test_numbers_read_by_helpers_retrace_when_they_change():
+    global SCALE
+    mesh = shoal.Mesh([0, 1])
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 3)
+    model = shoal.distribute_module(copy.deepcopy(plain), mesh)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    gx, gy = shoal.to_global(x, mesh, shoal.S(0)), shoal.to_global(y, mesh, shoal.S(0))
+    f = shoal.compile(lambda m, a, b: _smoothed(m(a), b))
+    for scale, traces in ((0.0, 1), (2.0, 2), (2.0, 2), (0.0, 2)):  # a value seen before: its graph again
+        SCALE = scale
+        with torch.no_grad():
+            assert_same_value(f(model, gx, gy), _smoothed(plain(x), y))
+        assert f.traces == traces
+    assert [names for _, names in f.graph.globals_read] == [("SCALE", "_smoothed", "torch")]
+
+
 def test_every_pass_leaves_a_valid_graph_and_the_verifier_catches_a_broken_one():
     from shoal.graph.capture import capture
 

@@ -10,7 +10,7 @@ import torch
 
 from ..dispatch import _region
 from ..tensor import GlobalTensor
-from .capture import capture, function_key, guard_key, leaves
+from .capture import capture, function_key, globals_key, guard_key, leaves
 from .ir import Graph, Ref, Value
 from .lower import Plan, lower
 from .passes import run_passes
@@ -77,11 +77,13 @@ class CompiledStep:
         return outs
 
     def _entry(self, key, args, kwargs):
-        entry = self._cache.get(key)
+        """The compiled graph for guard key ``key`` whose baked-in globals still hold (else a new trace)."""
+        entries = self._cache.setdefault(key, [])
+        entry = next((e for e in entries if globals_key(e[0].globals_read) == e[4]), None)
         if entry is None:
             from ..runtime import Runtime
 
-            if len(self._cache) == _MANY_TRACES:
+            if sum(map(len, self._cache.values())) == _MANY_TRACES:
                 warnings.warn(f"shoal.compile: {getattr(self.fn, '__qualname__', self.fn)} is traced for the "
                               f"{_MANY_TRACES + 1}th time: something it depends on changes from call to call (input "
                               "shapes or layouts, a number in a global or closure it reads); pass a changing "
@@ -95,7 +97,8 @@ class CompiledStep:
             # not worth an inductor compile, and not to be repeated for the next micro-batch
             creates = any(s.before is None and s.after is not None for s in g.slots)
             plan = lower(g, None if creates else self.backend)
-            entry = self._cache[key] = (g, plan, Runtime(plan, self.registers), creates)
+            entry = (g, plan, Runtime(plan, self.registers), creates, globals_key(g.globals_read))
+            entries.append(entry)
             self.compile_seconds = time.perf_counter() - t0
             self.compile_seconds_total += self.compile_seconds
             self.traces += 1
@@ -111,7 +114,7 @@ class CompiledStep:
         key, places = guard_key(objs)
         entry = self._entry((function_key(self.fn), key), args, kwargs)
         self._last = entry
-        g, plan, rt, creates = entry
+        g, plan, rt, creates, _ = entry
         if creates:
             pieces = pieces[:1]
         static = _bind(g, plan, objs, places)

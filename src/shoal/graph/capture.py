@@ -9,6 +9,8 @@ which state exists, optimizer settings).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -20,7 +22,7 @@ from ..tensor import GlobalTensor
 from .ir import Graph, Ref, Slot, Value
 from .trace import TraceError, Tracer
 
-__all__ = ["capture", "function_key", "guard_key", "state_slots"]
+__all__ = ["capture", "function_key", "globals_key", "guard_key", "state_slots"]
 
 _SKIP_GROUP_KEYS = ("params", "capturable", "foreach", "fused")
 
@@ -84,15 +86,14 @@ def _places(o, seen: set, out: list, key: list) -> None:
     """Append to ``out`` where the state of module or optimizer ``o`` lives, (owner, key, value) per
     place, with ``owner[key]`` or ``owner.key`` holding a tensor (or a gradient not made yet); key
     None: the GlobalTensor ``owner`` itself, written in place. Places already walked (``seen``) are
-    skipped. Appends to ``key`` what else a graph depends on: training flags, the globals the
-    modules' ``forward`` read, optimizer settings and which state each parameter has."""
+    skipped. Appends to ``key`` what else a graph depends on: training flags, optimizer settings and
+    which state each parameter has."""
     add = key.append
     if id(o) in seen:
         add(("again", id(o)))
     elif isinstance(o, nn.Module):
         mods = _module_tree(o, seen, [])
         add(tuple(m.training for m in mods))
-        add(tuple(function_key(c.forward) for c in dict.fromkeys(type(m) for m in mods)))
         for m in mods:
             for p in m._parameters.values():
                 _param_places(p, seen, out)
@@ -180,8 +181,8 @@ _SIMPLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 def function_key(fn) -> tuple:
     """What the step function reads besides its arguments: the globals its code names and the
-    variables it closes over (a number by value, anything else by identity). (``guard_key`` does the
-    same for the ``forward`` of the modules it is given; other code they call is not looked into.)"""
+    variables it closes over (a number by value, anything else by identity). (The globals of every
+    other function of the user's the trace runs are ``Graph.globals_read``.)"""
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -197,6 +198,49 @@ def function_key(fn) -> tuple:
         except ValueError:  # an empty cell
             key.append((name, None))
     return tuple(key)
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+@contextlib.contextmanager
+def _functions_run(out: dict):
+    """Collect into ``out`` the code objects Python runs meanwhile (on this thread), with their
+    globals; ``_user_globals`` keeps the user's."""
+    prev = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            out.setdefault(frame.f_code, frame.f_globals)
+        if prev is not None:
+            prev(frame, event, arg)
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(prev)
+
+
+def _user_globals(codes: dict) -> tuple:
+    """(globals dict, names) per module of the user's code among ``codes``: the globals its functions
+    name. Not the user's: the standard library, torch, shoal, installed packages, generated code
+    (``<string>``, named tuples) and modules' top level (imports the trace set off)."""
+    names: dict = {}
+    for code, glb in codes.items():
+        f = code.co_filename
+        if (f.startswith("<") or code.co_name == "<module>" or os.path.abspath(f).startswith(_LIBRARY_DIRS)
+                or f"{os.sep}site-packages{os.sep}" in f or f"{os.sep}dist-packages{os.sep}" in f):
+            continue
+        mine = names.setdefault(id(glb), (glb, set()))[1]
+        mine.update(n for n in code.co_names if n in glb)
+    return tuple((glb, tuple(sorted(ns))) for glb, ns in names.values() if ns)
+
+
+def globals_key(reads: tuple) -> tuple:
+    """The values of ``Graph.globals_read`` now (a number by value, anything else by identity)."""
+    return tuple(_by_value(glb.get(n)) for glb, names in reads for n in names)
 
 
 def _by_value(v):
@@ -317,8 +361,10 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
         if copies:
             args, kwargs = tree_map(lambda t: copies.get(id(t), t), (args, kwargs))
         # the trace draws random numbers for real (host work runs): the step itself must draw the same
-        with _same_random_state(), tr.patched(), _optimizers_traceable(opts, tr, g), tr:
+        codes: dict = {}
+        with _same_random_state(), tr.patched(), _optimizers_traceable(opts, tr, g), _functions_run(codes), tr:
             out = fn(*args, **kwargs)
+        g.globals_read = _user_globals(codes)
         g.outputs = _out_refs(tr, out, g)
         # state after the step, including state it created (an optimizer's first step)
         for s, _ in saved_slots:

@@ -145,6 +145,7 @@ class Graph:
     constants: dict = field(default_factory=dict)  # Local id -> a tensor captured at trace time
     kept: tuple = ()  # the Locals of the kept slots (Slot.kept)
     scalars: list = field(default_factory=list)  # (dict, key, host Local id, dtype): a number read at every call
+    globals_read: tuple = ()  # (module globals, names) the user's functions the trace ran read: baked in, guarded
     devices: tuple = ()  # devices with ops, in order
     notes: list = field(default_factory=list)  # what the passes did, for the listing
 
