@@ -44,7 +44,8 @@ class GlobalTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         """Pickled (torch.save) as its layout, this process's shards and strides."""
-        return _unpickle, (self._spec, self._shards, self.stride(), self.requires_grad, getattr(self, "_is_param", False))
+        param = getattr(self, "_is_param", False)
+        return _unpickle, (self._spec, self._shards, self.stride(), self.requires_grad, param)
 
     def _shards_as(self, dst: TensorSpec) -> tuple:
         """This value's shards in layout ``dst`` (boxing if needed).

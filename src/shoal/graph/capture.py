@@ -181,8 +181,8 @@ _SIMPLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 def function_key(fn) -> tuple:
     """What the step function reads besides its arguments: the globals its code names and the
-    variables it closes over (a number by value, anything else by identity). (The globals of every
-    other function of the user's the trace runs are ``Graph.globals_read``.)"""
+    variables it closes over (a number by value, anything else by identity). (The globals of the
+    other functions of the user's on the stack of a traced op are ``Graph.globals_read``.)"""
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -204,29 +204,10 @@ _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch))
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 
-@contextlib.contextmanager
-def _functions_run(out: dict):
-    """Collect into ``out`` the code objects Python runs meanwhile (on this thread), with their
-    globals; ``_user_globals`` keeps the user's."""
-    prev = sys.getprofile()
-
-    def profile(frame, event, arg):
-        if event == "call":
-            out.setdefault(frame.f_code, frame.f_globals)
-        if prev is not None:
-            prev(frame, event, arg)
-
-    sys.setprofile(profile)
-    try:
-        yield
-    finally:
-        sys.setprofile(prev)
-
-
 def _user_globals(codes: dict) -> tuple:
-    """(globals dict, names) per module of the user's code among ``codes``: the globals its functions
-    name. Not the user's: the standard library, torch, shoal, installed packages, generated code
-    (``<string>``, named tuples) and modules' top level (imports the trace set off)."""
+    """(globals dict, names) per module of the user's code among ``codes`` (code object -> its
+    globals): the globals its functions name. Not the user's: the standard library, torch, shoal,
+    installed packages, generated code (``<string>``, named tuples) and modules' top level."""
     names: dict = {}
     for code, glb in codes.items():
         f = code.co_filename
@@ -361,10 +342,10 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
         if copies:
             args, kwargs = tree_map(lambda t: copies.get(id(t), t), (args, kwargs))
         # the trace draws random numbers for real (host work runs): the step itself must draw the same
-        codes: dict = {}
-        with _same_random_state(), tr.patched(), _optimizers_traceable(opts, tr, g), _functions_run(codes), tr:
+        tr.outer = sys._getframe()
+        with _same_random_state(), tr.patched(), _optimizers_traceable(opts, tr, g), tr:
             out = fn(*args, **kwargs)
-        g.globals_read = _user_globals(codes)
+        g.globals_read = _user_globals(tr.code_seen)
         g.outputs = _out_refs(tr, out, g)
         # state after the step, including state it created (an optimizer's first step)
         for s, _ in saved_slots:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import traceback
 
 import torch
@@ -73,6 +74,8 @@ class Tracer(TorchDispatchMode):
         self._floating: dict[int, list] = {}  # storage -> device ops made without device inputs, device not known yet
         self._next = 0
         self._overwritten: dict[int, tuple] = {}  # constant Local -> (the tensor, its values before the trace wrote it)
+        self.code_seen: dict = {}  # code object -> its globals: every Python function on the stack of an op
+        self.outer = None  # the frame that runs the step: the walk up the stack stops there
 
     # -- Locals and Values ----------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -174,6 +177,10 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._quiet or func.namespace == "profiler":
             return func(*args, **kwargs)
+        seen, f, outer = self.code_seen, sys._getframe(1), self.outer
+        while f is not None and f is not outer:  # the functions whose Python values this op's graph bakes in
+            seen.setdefault(f.f_code, f.f_globals)
+            f = f.f_back
         flat, _ = tree_flatten((args, kwargs))
         if any(type(a) is _GT for a in flat):
             return self._global(func, args, kwargs, flat)
