@@ -75,8 +75,8 @@ def test_shoal_train_gpt_under_shoal_run_matches_one_process(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_compiled_step_across_processes_matches_eager():
-    code, out, _ = shoal_run(2, 2, "graph_worker.py")
+def test_compiled_step_across_processes_matches_eager(tmp_path):
+    code, out, _ = shoal_run(2, 2, "graph_worker.py", args=(str(tmp_path),))
     assert code == 0, out[-4000:]
     for r in range(2):
         assert f"OK rank {r} of 2 x 2 devices" in out

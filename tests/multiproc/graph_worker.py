@@ -1,7 +1,10 @@
 """Run under torchrun by tests/test_multiprocess.py: a compiled GPT step equals the eager one when
-the collectives cross processes (the same plan; the runtime's collectives call torch.distributed)."""
+the collectives cross processes (the same plan; the runtime's collectives call torch.distributed),
+also when it resumes from a checkpoint each process saved (its own shards) half-way, into a
+directory given as the first argument."""
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,13 +29,20 @@ def build(kind):
 
 g = torch.Generator().manual_seed(1)
 data = [(torch.randint(13, (8, 8), generator=g), torch.randint(13, (8, 8), generator=g)) for _ in range(4)]
+ckpt = Path(sys.argv[1]) / f"{w.rank}.pt"
 for kind in meshes:
     (a, oa), (b, ob) = build(kind), build(kind)
     compiled = shoal.compile(step)
-    for x, y in data:
+    for i, (x, y) in enumerate(data):
+        if i == 2:  # each process saves and loads its own shards
+            torch.save({"model": b.state_dict(), "opt": ob.state_dict()}, ckpt)
+            saved = torch.load(ckpt)
+            b, ob = build(kind)
+            b.load_state_dict(saved["model"])
+            ob.load_state_dict(saved["opt"])
         la, lb = step(a, oa, x, y).item(), compiled(b, ob, x, y).item()
-        assert abs(la - lb) <= 1e-5 * abs(la), (kind, la, lb)
-    assert compiled.traces == 2, compiled.traces
+        assert abs(la - lb) <= 1e-5 * abs(la), (kind, i, la, lb)
+    assert compiled.traces == 3, compiled.traces  # a new model and optimizer after the load
     comms = sum(op.kind == "comm" for op in compiled.graph.ops)
     assert comms > 0
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
