@@ -130,6 +130,19 @@ def test_data_dependent_python_is_an_error_naming_the_line():
     assert torch.isfinite(step(model, opt, x, y).full())
 
 
+def test_an_error_while_tracing_keeps_its_type_and_names_the_line():
+    mesh = shoal.Mesh([0, 1])
+    lin = shoal.distribute_module(torch.nn.Linear(4, 3), mesh)
+
+    def step(model, x):
+        return (model(x) @ torch.ones(2, 2)).sum()  # 3 features against 2 rows
+
+    with pytest.raises(RuntimeError) as err:
+        shoal.compile(step)(lin, shoal.to_global(torch.randn(2, 4), mesh, shoal.S(0)))
+    note = "\n".join(err.value.__notes__)
+    assert "while tracing" in note and "@ torch.ones(2, 2)" in note, note
+
+
 def test_guards_retrace_on_new_shapes_layouts_and_meshes():
     mesh2, mesh4 = shoal.Mesh([0, 1]), shoal.Mesh([0, 1, 2, 3])
     f = shoal.compile(lambda a, b: (a @ b).relu().sum(0))

@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torch.utils._pytree import tree_map
 from ..sbp import Partial
 from ..tensor import GlobalTensor
 from .ir import Graph, Ref, Slot, Value
-from .trace import TraceError, Tracer
+from .trace import TraceError, Tracer, user_line
 
 __all__ = ["capture", "function_key", "globals_key", "guard_key", "state_slots"]
 
@@ -362,7 +363,11 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
                 slots.append(s)
         g.slots = slots
         g.kept = tuple(lid for s in slots if s.kept for lid in s.after.locals if lid is not None)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, Exception) and not isinstance(e, TraceError):
+            where = user_line(traceback.extract_tb(e.__traceback__)).split("\n")[0]
+            e.add_note(f"shoal.compile: raised while tracing {getattr(fn, '__qualname__', fn)} on meta shards (the "
+                       f"message may read differently from eager's), at\n  {where}")
         for o, st in saved_opt:
             o.state.clear()
             o.state.update(st)

@@ -46,11 +46,12 @@ class TraceError(RuntimeError):
     pass
 
 
-def user_line() -> str:
-    """The innermost frame of the user's code (outside torch and shoal), as 'file:line: code', and
-    the library function below it that did the reading, if any."""
+def user_line(frames=None) -> str:
+    """The innermost frame of the user's code (outside torch and shoal) in ``frames`` (a
+    ``traceback.StackSummary``; default: the current stack), as 'file:line: code', and the library
+    function below it that did the reading, if any."""
     inner = None
-    for fr in reversed(traceback.extract_stack()):
+    for fr in reversed(traceback.extract_stack() if frames is None else frames):
         f = os.path.abspath(fr.filename)
         if f.startswith(_SHOAL_DIR) or f.startswith(_TORCH_DIR) or "/contextlib.py" in f:
             if inner is None and not any(s in f for s in _PLUMBING):
