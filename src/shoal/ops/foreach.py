@@ -210,15 +210,12 @@ def _inplace_local(call: Call, ins, outs):
 
 
 def _register_pointwise() -> list:
-    ops = []
-    for base, overloads in _OPS.items():
-        for ov in overloads:
-            ops.append((getattr(getattr(aten, f"_foreach_{base}"), ov), False))
-            ops.append((getattr(getattr(aten, f"_foreach_{base}_"), ov), True))
-    ops += [(aten._foreach_zero_.default, True), (aten._foreach_copy_.default, True)]
-    for op, _ in ops:
+    ops = [getattr(getattr(aten, f"_foreach_{base}{inplace}"), ov)
+           for base, overloads in _OPS.items() for ov in overloads for inplace in ("", "_")]
+    ops += [aten._foreach_zero_.default, aten._foreach_copy_.default]
+    for op in ops:
         register(op, _rule(op))
-    return [op for op, _ in ops]
+    return ops
 
 
 def _rule(op) -> Rule:
