@@ -134,21 +134,30 @@ def test_a_checkpoint_resumes_training_exactly(kind, tmp_path):
         assert_same_value(v.detach(), ref_state[k], f"{kind}: {k}", rtol=1e-5, atol=PARAM_ATOL)
 
 
-def test_a_state_dict_loads_into_another_plan(tmp_path):
-    """Parameters saved under DP x TP load into a TP-laid-out model (each value moved onto the
-    model's own mesh and layout), and into plain torch."""
+@pytest.mark.parametrize("kind", ["tp", "zero"])
+def test_a_checkpoint_loads_into_another_plan(kind, tmp_path):
+    """Model and optimizer state saved under DP x TP after 2 steps load into a model and optimizer
+    laid out by another plan (each value moved onto its parameter's mesh and layout), and the
+    other 3 steps go as if never stopped; the parameters also load into plain torch."""
+    ref_losses, ref_state = reference("gpt", "adamw")
     model, opt = distributed("gpt", "dp,tp", "adamw")
-    fit(model, opt, batches("gpt")[:2])
-    torch.save(model.state_dict(), tmp_path / "model.pt")
-    saved = torch.load(tmp_path / "model.pt")
-    other, _ = distributed("gpt", "tp", "adamw")
-    layouts = {k: v.sbp for k, v in other.state_dict().items()}
-    other.load_state_dict(saved)
+    data = batches("gpt")
+    losses = fit(model, opt, data[:2])
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt")
     plain = initial("gpt")
-    plain.load_state_dict({k: v.full() for k, v in saved.items()})
-    for k, v in other.state_dict().items():
+    plain.load_state_dict({k: v.full() for k, v in saved["model"].items()})
+    model, opt = distributed("gpt", kind, "adamw")
+    layouts = {k: v.sbp for k, v in model.state_dict().items()}
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    for k, v in model.state_dict().items():
         assert v.sbp == layouts[k], k
         assert_same_value(v, plain.state_dict()[k], k)
+    losses += fit(model, opt, data[2:])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for k, v in model.state_dict().items():
+        assert_same_value(v.detach(), ref_state[k], f"{kind}: {k}", rtol=1e-5, atol=PARAM_ATOL)
 
 
 def test_a_saved_global_tensor_loads_in_another_process(tmp_path):

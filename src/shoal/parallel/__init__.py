@@ -209,6 +209,24 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: Mesh, axis: st
     return optimizer.register_step_post_hook(shard_state)
 
 
+_POLICY = torch.optim.Optimizer._process_value_according_to_param_policy
+
+
+def _onto_param(param, value, *args, **kwargs):
+    """``Optimizer.load_state_dict`` casts each loaded state tensor to its parameter's dtype and
+    device; a GlobalTensor saved under another plan (another mesh) also moves onto the parameter's
+    mesh, in its layout where the shapes match (ZeRO's hook splits it again after the next step)."""
+    out = _POLICY(param, value, *args, **kwargs)
+    if isinstance(param, GlobalTensor) and isinstance(out, GlobalTensor) and out.mesh != param.mesh:
+        mesh = param.mesh
+        with torch.no_grad():
+            out = out.to_global(mesh, param.sbp if out.shape == param.shape else (Broadcast(),) * mesh.ndim)
+    return out
+
+
+torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(_onto_param)
+
+
 def memory_per_device(*groups) -> dict[int, int]:
     """Bytes each device holds for the given tensors (parameters, gradients, optimizer states...).
     Accepts modules (parameters and their grads and buffers), optimizers (state) and tensors."""
