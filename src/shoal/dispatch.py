@@ -330,13 +330,10 @@ def _across_meshes(args) -> bool:
 
 def _copy_across_meshes(dst, src, non_blocking: bool = False):
     """``dst.copy_(src)`` with ``src`` on another mesh (a state dict saved under another plan): the
-    value moves onto ``dst``'s mesh first, in ``dst``'s layout where the shapes match."""
-    from .tensor import _box
+    value moves onto ``dst``'s mesh first."""
+    from .tensor import onto_mesh_of
 
-    mesh = dst._spec.mesh
-    sbp = dst._spec.sbp if src.shape == dst.shape else (Broadcast(),) * mesh.ndim
-    moved = _box(src, TensorSpec(src._spec.shape, src.dtype, mesh, sbp))
-    return dispatch(_COPY, (dst, moved, non_blocking), {})
+    return dispatch(_COPY, (dst, onto_mesh_of(src, dst), non_blocking), {})
 
 
 def _mesh_of(func, tensors) -> Mesh:

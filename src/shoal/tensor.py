@@ -175,6 +175,14 @@ def _box(x: GlobalTensor, dst: TensorSpec) -> GlobalTensor:
     return GlobalTensor._make(dst, out)
 
 
+def onto_mesh_of(x: GlobalTensor, like: GlobalTensor) -> GlobalTensor:
+    """``x``'s value on ``like``'s mesh, in ``like``'s layout where the shapes match, else Broadcast
+    (a value saved under another plan, loaded into a tensor of this one); not differentiable."""
+    mesh = like.mesh
+    sbp = like.sbp if x.shape == like.shape else (Broadcast(),) * mesh.ndim
+    return _box(x, TensorSpec(x._spec.shape, x.dtype, mesh, sbp))
+
+
 def _grad_spec(spec: TensorSpec) -> TensorSpec:
     """The layout a gradient returns in: the input's, with Partial turned into Broadcast."""
     return spec.with_sbp(tuple(Broadcast() if isinstance(s, Partial) else s for s in spec.sbp))

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..mesh import Mesh
 from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
-from ..tensor import GlobalTensor, to_global
+from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .reducer import GradReducer
 
 __all__ = ["Plan", "distribute_module", "shard_optimizer_state", "memory_per_device", "data_parallel"]
@@ -218,9 +218,7 @@ def _onto_param(param, value, *args, **kwargs):
     mesh, in its layout where the shapes match (ZeRO's hook splits it again after the next step)."""
     out = _POLICY(param, value, *args, **kwargs)
     if isinstance(param, GlobalTensor) and isinstance(out, GlobalTensor) and out.mesh != param.mesh:
-        mesh = param.mesh
-        with torch.no_grad():
-            out = out.to_global(mesh, param.sbp if out.shape == param.shape else (Broadcast(),) * mesh.ndim)
+        out = onto_mesh_of(out, param)
     return out
 
 
