@@ -108,3 +108,19 @@ def test_data_parallel_linear_communicates_only_for_gradients(meshes):
     with shoal.CommCounter() as cc:
         opt.step()
     assert dict(cc.counts) == {"all_reduce": 2}, cc
+
+
+@pytest.mark.parametrize("sbp", [(S(0), B), (B, S(1)), (B, B)], ids=str)
+def test_a_gradient_arriving_with_other_strides_stays_a_global_tensor(sbp, meshes):
+    """The gradient of ``w.sum(0)`` is an expanded (stride 0) tensor: autograd's AccumulateGrad
+    makes one with the leaf's strides through ``new_empty_strided`` and copies it in. That must
+    give a GlobalTensor holding the value (twice: the second backward accumulates)."""
+    v = torch.randn(6, 5)
+    w = shoal.to_global(v, meshes[(2, 2)], list(sbp), requires_grad=True)
+    ref = v.clone().requires_grad_()
+    for _ in range(2):
+        for t in (w, ref):
+            t.sum(0).pow(2).sum().backward()
+        assert isinstance(w.grad, shoal.GlobalTensor)
+        assert w.grad.stride() == ref.grad.stride()
+        assert_same_value(w.grad, ref.grad)

@@ -158,6 +158,8 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
     aten.new_zeros.default: lambda: [S_(r(5, 3), [2, 4])],
     aten.new_ones.default: lambda: [S_(r(5, 3), [4])],
     aten.new_empty.default: lambda: [S_(r(5, 3), [2, 2], values=False)],
+    aten.new_empty_strided.default: lambda: [S_(r(5, 3), [2, 3], [1, 2], values=False), S_(r(5), [5, 3], [3, 1],
+                                                                                          values=False)],
     aten.new_full.default: lambda: [S_(r(5, 3), [3, 2], 1.5)],
     aten._local_scalar_dense.default: lambda: [S_(r())],
     aten.equal.default: lambda: [S_(r(5, 3), r(5, 3))],
