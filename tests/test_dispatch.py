@@ -124,3 +124,12 @@ def test_a_gradient_arriving_with_other_strides_stays_a_global_tensor(sbp, meshe
         assert isinstance(w.grad, shoal.GlobalTensor)
         assert w.grad.stride() == ref.grad.stride()
         assert_same_value(w.grad, ref.grad)
+
+
+def test_python_values_of_a_global_tensor(meshes):
+    """f-strings, .tolist() and .numpy() read the global value, as on a plain tensor."""
+    v = torch.randn(5, 3)
+    x = make_global(v, meshes[(2, 2)], [S(0), P], seed=1)
+    assert f"{x.sum():.4f}" == f"{v.sum():.4f}"
+    assert torch.allclose(torch.tensor(x.tolist()), v, atol=1e-6)
+    assert torch.allclose(torch.from_numpy(x.numpy()), v, atol=1e-6)

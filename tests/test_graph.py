@@ -129,6 +129,17 @@ def test_data_dependent_python_is_an_error_naming_the_line():
     # nothing is left half-traced: the model still runs eagerly with real values
     assert torch.isfinite(step(model, opt, x, y).full())
 
+    def logs(model, x, y):
+        _, loss = model(x, y)
+        print(f"{loss:.2f}", loss.tolist(), loss.numpy())  # each reads a value into Python
+        return loss
+
+    with pytest.raises(TraceError, match=r"test_graph.py:\d+: +print\(f\"\{loss:.2f\}\""):
+        shoal.compile(logs)(model, x, y)
+    for read in ("tolist", "numpy"):  # the f-string reads through .item(); these gather the whole value
+        with pytest.raises(TraceError, match=rf"GlobalTensor.{read}\(\)"):
+            shoal.compile(lambda m, a, b, r=read: getattr(m(a, b)[1], r)())(model, x, y)
+
 
 def test_an_error_while_tracing_keeps_its_type_and_names_the_line():
     mesh = shoal.Mesh([0, 1])

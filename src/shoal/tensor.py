@@ -96,6 +96,27 @@ class GlobalTensor(torch.Tensor):
             f"sbp={sbp_str(self.sbp)}{grad})"
         )
 
+    def __format__(self, spec: str) -> str:  # f"{loss:.4f}", as for a plain 0-dim tensor
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def tolist(self):
+        """The global value as (nested) Python numbers (gathered on every process)."""
+        return self._host_value("tolist").tolist()
+
+    def numpy(self, *, force: bool = False):
+        """The global value as a NumPy array (gathered on every process)."""
+        return self._host_value("numpy").numpy(force=force)
+
+    def _host_value(self, what: str) -> torch.Tensor:
+        full = self.full()
+        if full.device.type == "meta":  # graph mode's trace: the values do not exist yet
+            from .graph.trace import value_read
+
+            raise value_read(f"GlobalTensor.{what}()")
+        return full
+
     # -- conversions --------------------------------------------------------------------------
     def to_global(self, mesh: Mesh | None = None, sbp: SBP | Sequence[SBP] | None = None) -> GlobalTensor:
         """The same global value laid out as (mesh, sbp); differentiable. Missing parts stay as they are."""

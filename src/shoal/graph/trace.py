@@ -27,7 +27,7 @@ from ..tensor import GlobalTensor
 from ..world import world
 from .ir import Graph, Local, Node, Op, Ref, Value, contiguous_strides
 
-__all__ = ["Tracer", "TraceError", "DEVICE"]
+__all__ = ["Tracer", "TraceError", "DEVICE", "value_read"]
 
 _GT = GlobalTensor
 _SHOAL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,11 +39,21 @@ _COMM_FNS = ("all_gather", "all_reduce", "all_reduce_start", "reduce_scatter", "
 
 
 # frames between a reading library function and the tracer: not worth naming
-_PLUMBING = ("/shoal/graph/", "/shoal/dispatch.py", "/_python_dispatch.py", "/_ops.py", "/_dynamo/", "/_compile.py")
+_PLUMBING = ("/shoal/graph/", "/shoal/dispatch.py", "/shoal/tensor.py", "/_python_dispatch.py", "/_ops.py", "/_dynamo/",
+             "/_compile.py")
 
 
 class TraceError(RuntimeError):
     pass
+
+
+def value_read(what: str) -> TraceError:
+    """The error for reading a traced tensor's value into Python (by ``what``), naming the user's line."""
+    return TraceError(
+        f"shoal.compile: {what} reads a tensor's value into Python (.item(), bool(t), .tolist(), .numpy(), "
+        f"torch.equal) at\n  {user_line()}\nA compiled step cannot branch on tensor values: compute it "
+        f"with tensor ops (torch.where), or return the tensor and read it outside the compiled function."
+    )
 
 
 def user_line(frames=None) -> str:
@@ -189,11 +199,7 @@ class Tracer(TorchDispatchMode):
 
     def _global(self, func, args, kwargs, flat):
         if func in _DATA_DEPENDENT:
-            raise TraceError(
-                f"shoal.compile: {func} reads a tensor's value into Python (.item(), bool(t), .tolist(), "
-                f"torch.equal) at\n  {user_line()}\nA compiled step cannot branch on tensor values: compute it "
-                f"with tensor ops (torch.where), or return the tensor and read it outside the compiled function."
-            )
+            raise value_read(str(func))
         ins = [self.value(a) for a in flat if type(a) is _GT]
         target = str(func).removeprefix("aten.")
         with self.node("op", target, ins) as n, self:
