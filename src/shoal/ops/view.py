@@ -1,5 +1,5 @@
 """View and shape ops: view/reshape, permute/transpose/t, (un)squeeze, expand, slice, select,
-cat, stack, split, unbind and their backward ops.
+cat, stack, split, unbind and their backward ops; the in-place views (transpose_, t_, (un)squeeze_).
 
 A split dim keeps its split where the op moves it (its output dim is computed per op); dims the op
 slices or concatenates along must be whole. Views that merge or split a split dim are checked for
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..sbp import Broadcast, Partial, Split
 from .registry import Call, Rule, Sig, register
@@ -183,6 +184,27 @@ register(
     [aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims], Rule(_squeeze, local=_squeeze_local, name="squeeze")
 )
 register(aten.expand.default, Rule(_expand, size_arg=1, name="expand"))
+
+
+# In-place views change the tensor's own shape: the out-of-place view (its rule above) gives the new
+# layout and shards, the tensor takes them, and its wrapper's sizes and strides follow (torch's
+# return_and_correct_aliasing runs the op on the wrapper's metadata alone).
+def _inplace_view(op):
+    view = getattr(aten, op._schema.name.split("::")[1].removesuffix("_"))
+
+    def run(self, *args, **kwargs):
+        out = view(self, *args, **kwargs)
+        self._spec, self._shards, self._resolved = out._spec, out._shards, None
+        return return_and_correct_aliasing(op, (self, *args), kwargs, self)
+
+    return run
+
+
+for _op in (aten.transpose_.default, aten.t_.default, aten.unsqueeze_.default, aten.squeeze_.default,
+            aten.squeeze_.dim, aten.squeeze_.dims):
+    # no per-shard signature (not even all-Broadcast): run on the shards, the wrapper would keep its shape
+    register(_op, Rule(check_nd=lambda *a: False, decompose=lambda call, specs: True,
+                       decomposition=_inplace_view(_op), name="inplace_view"))
 
 
 # -- slicing / joining ----------------------------------------------------------------------
