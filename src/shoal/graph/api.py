@@ -83,7 +83,7 @@ class CompiledStep:
         if entry is None:
             from ..runtime import Runtime
 
-            if sum(map(len, self._cache.values())) == _MANY_TRACES:
+            if self.traces == _MANY_TRACES:
                 warnings.warn(f"shoal.compile: {getattr(self.fn, '__qualname__', self.fn)} is traced for the "
                               f"{_MANY_TRACES + 1}th time: something it depends on changes from call to call (input "
                               "shapes or layouts, a number in a global or closure it reads); pass a changing "

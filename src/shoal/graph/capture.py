@@ -9,7 +9,6 @@ which state exists, optimizer settings).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 import traceback
@@ -21,7 +20,7 @@ from torch.utils._pytree import tree_map
 from ..sbp import Partial
 from ..tensor import GlobalTensor
 from .ir import Graph, Ref, Slot, Value
-from .trace import TraceError, Tracer, user_line
+from .trace import TraceError, Tracer, library_file, user_line
 
 __all__ = ["capture", "function_key", "globals_key", "guard_key", "state_slots"]
 
@@ -201,10 +200,6 @@ def function_key(fn) -> tuple:
     return tuple(key)
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
-
-
 def _user_globals(codes: dict) -> tuple:
     """(globals dict, names) per module of the user's code among ``codes`` (code object -> its
     globals): the globals its functions name. Not the user's: the standard library, torch, shoal,
@@ -212,8 +207,7 @@ def _user_globals(codes: dict) -> tuple:
     names: dict = {}
     for code, glb in codes.items():
         f = code.co_filename
-        if (f.startswith("<") or code.co_name == "<module>" or os.path.abspath(f).startswith(_LIBRARY_DIRS)
-                or f"{os.sep}site-packages{os.sep}" in f or f"{os.sep}dist-packages{os.sep}" in f):
+        if f.startswith("<") or code.co_name == "<module>" or library_file(f):
             continue
         mine = names.setdefault(id(glb), (glb, set()))[1]
         mine.update(n for n in code.co_names if n in glb)

@@ -27,11 +27,12 @@ from ..tensor import GlobalTensor
 from ..world import world
 from .ir import Graph, Local, Node, Op, Ref, Value, contiguous_strides
 
-__all__ = ["Tracer", "TraceError", "DEVICE", "value_read"]
+__all__ = ["Tracer", "TraceError", "DEVICE", "value_read", "library_file", "user_line"]
 
 _GT = GlobalTensor
-_SHOAL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+# code that is not the user's: shoal, torch, the standard library (and installed packages, below)
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (os.path.dirname(__file__), torch.__file__,
+                                                                               os.__file__))
 # a device argument of a device op: replaced by that device's torch device when lowered
 DEVICE = "<device>"
 _DATA_DEPENDENT = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default}
@@ -56,14 +57,21 @@ def value_read(what: str) -> TraceError:
     )
 
 
+def library_file(filename: str) -> bool:
+    """Whether code in ``filename`` is a library's (shoal, torch, the standard library, an installed
+    package), not the user's."""
+    f = os.path.abspath(filename)
+    return f.startswith(_LIBRARY_DIRS) or f"{os.sep}site-packages{os.sep}" in f or f"{os.sep}dist-packages{os.sep}" in f
+
+
 def user_line(frames=None) -> str:
-    """The innermost frame of the user's code (outside torch and shoal) in ``frames`` (a
-    ``traceback.StackSummary``; default: the current stack), as 'file:line: code', and the library
-    function below it that did the reading, if any."""
+    """The innermost frame of the user's code in ``frames`` (a ``traceback.StackSummary``; default:
+    the current stack), as 'file:line: code', and the library function below it that did the
+    reading, if any."""
     inner = None
     for fr in reversed(traceback.extract_stack() if frames is None else frames):
         f = os.path.abspath(fr.filename)
-        if f.startswith(_SHOAL_DIR) or f.startswith(_TORCH_DIR) or "/contextlib.py" in f:
+        if library_file(f):
             if inner is None and not any(s in f for s in _PLUMBING):
                 inner = fr
             continue
