@@ -6,6 +6,7 @@ from . import (
     embedding,
     factory,
     foreach,
+    indexing,
     loss,
     matrix,
     normalization,
@@ -32,6 +33,7 @@ FAMILIES = (
     softmax,
     loss,
     embedding,
+    indexing,
 )
 
 __all__ = ["Call", "Rule", "Sig", "lookup", "register", "registered_ops", "FAMILIES"]

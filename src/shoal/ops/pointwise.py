@@ -147,3 +147,12 @@ def _to_copy_local(call: Call, ins, outs):
 
 
 register(aten._to_copy.default, Rule(_to_copy, local=_to_copy_local, name="to_copy"))
+
+
+def _triangle(call: Call) -> list[Sig]:
+    """tril/triu: each matrix of the batch on its own (which entries are kept depends on the row and
+    column, so those two dims stay whole)."""
+    return [Sig((Split(d),), (Split(d),)) for d in range(call.ins[0].ndim - 2)]
+
+
+register([aten.tril.default, aten.triu.default], Rule(_triangle, name="triangle"))

@@ -1,7 +1,8 @@
-"""Reductions: sum, mean, amax, amin, max, min (all elements or over dims, keepdim).
+"""Reductions: sum, mean, amax, amin, max, min, var, std (all elements or over dims, keepdim).
 
 A split kept dim stays split; a split reduced dim gives Partial (sum for sum/mean, max/min for
-amax/amin). mean over a split dim runs as a local sum divided by the global count.
+amax/amin). mean over a split dim runs as a local sum divided by the global count. var and std
+over a split dim decompose into mean, the squared deviations and their sum (a Partial sum).
 """
 
 from __future__ import annotations
@@ -95,3 +96,38 @@ def _mean_local(call: Call, ins, outs):
 
 
 register(list(_KIND), Rule(_reduction, check_nd=_no_empty_max, local=_mean_local, name="reduction"))
+
+
+# -- var, std -------------------------------------------------------------------------------------
+
+
+def _moment(call: Call) -> list[Sig]:
+    dims, keepdim = reduced_dims(call)
+    return [Sig((Split(d),), (Split(d if keepdim else d - sum(1 for r in dims if r < d)),))
+            for d in range(call.ins[0].ndim) if d not in dims]
+
+
+def _split_reduced(call: Call, specs) -> bool:
+    """Decompose over a split dim, but not with no degrees of freedom left (a device's empty piece
+    would give 0/0 where torch gives inf) nor for complex numbers."""
+    x = call.ins[0]
+    dims, _ = reduced_dims(call)
+    correction = call.kwargs.get("correction")
+    dof = math.prod(x.shape[d] for d in dims) - (1 if correction is None else correction)
+    return dof > 0 and not x.is_complex() and any(s == Split(d) for s in specs[0].sbp for d in dims)
+
+
+def _var_decomposition(x, dim=None, *, correction=None, keepdim=False):
+    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else sorted({d % max(x.ndim, 1) for d in dim})
+    n = math.prod(x.shape[d] for d in dims)
+    dev = aten.sub.Tensor(x, aten.mean.dim(x, dims, True))
+    squares = aten.sum.dim_IntList(aten.mul.Tensor(dev, dev), dims, keepdim)
+    return aten.div.Scalar(squares, max(n - (1 if correction is None else correction), 0))
+
+
+def _std_decomposition(x, dim=None, *, correction=None, keepdim=False):
+    return aten.sqrt.default(_var_decomposition(x, dim, correction=correction, keepdim=keepdim))
+
+
+register(aten.var.correction, Rule(_moment, decompose=_split_reduced, decomposition=_var_decomposition, name="var"))
+register(aten.std.correction, Rule(_moment, decompose=_split_reduced, decomposition=_std_decomposition, name="var"))

@@ -110,6 +110,16 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
     aten.min.dim: lambda: [S_(r(5, 7), 1)],
     aten.argmax.default: lambda: [S_(r(5, 7), 1)],
     aten.argmin.default: lambda: [S_(r(5, 7), 0)],
+    aten.var.correction: lambda: [
+        S_(r(5, 7), [1]),
+        S_(r(5, 7), [0], correction=0, keepdim=True),
+        S_(r(3, 5, 2), [0, 2]),
+        S_(r(5, 7)),
+        S_(r(1, 3), [0]),  # one element: nan, as torch
+    ],
+    aten.std.correction: lambda: [S_(r(5, 7), [0]), S_(r(3, 5, 2), [-1], correction=2, keepdim=True)],
+    aten.tril.default: lambda: [S_(r(5, 7)), S_(r(3, 5, 4), 1), S_(r(2, 3, 5, 4), -2)],
+    aten.triu.default: lambda: [S_(r(5, 7), 2), S_(r(3, 5, 4))],
     # matrix
     aten.mm.default: lambda: [S_(r(5, 7), r(7, 3)), S_(r(2, 3), r(3, 5))],
     aten.bmm.default: lambda: [S_(r(3, 5, 7), r(3, 7, 2))],

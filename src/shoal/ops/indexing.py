@@ -1,0 +1,179 @@
+"""Indexing: gather, scatter, scatter_add, advanced indexing (index, index_put), topk and sort.
+
+Index values address positions of the full tensor, so a dim the indices address is never split
+with them; every other dim is local when the data and the indices are split on it alike (equal
+sizes, so the pieces line up). Gather and indexing only select: a Partial input stays Partial
+(sum, max or min); accumulating writes (scatter_add, index_put with accumulate) are linear, so
+Partial(sum) data and values give Partial(sum). Integer indices with the data Broadcast may be
+split anywhere (each piece selects its own rows of the result). Boolean masks give data-dependent
+shapes and take no rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Broadcast, Partial, Split
+from .registry import Call, Rule, Sig, register
+
+aten = torch.ops.aten
+_B = Broadcast()
+_PARTIALS = tuple(Partial(o) for o in ("sum", "max", "min"))
+
+
+def _dim(call: Call, i: int, default: int | None = None) -> int:
+    nd = call.ins[0].ndim
+    d = call.arg(i, "dim", default)
+    return d % nd if nd else 0
+
+
+def _alike(dim: int, *ts) -> list[int]:
+    """Dims other than ``dim`` on which every tensor has the same size."""
+    nd = ts[0].ndim
+    if any(t.ndim != nd for t in ts):
+        return []
+    return [d for d in range(nd) if d != dim and len({t.shape[d] for t in ts}) == 1]
+
+
+def _gather(call: Call) -> list[Sig]:
+    x, index = call.ins
+    dim = _dim(call, 1)
+    sigs = [Sig((Split(d), Split(d)), (Split(d),)) for d in _alike(dim, x, index)]
+    if index.ndim:
+        sigs.append(Sig((_B, Split(dim)), (Split(dim),)))  # rows of the index pick rows of the result
+    return [*sigs, *(Sig((p, _B), (p,)) for p in _PARTIALS)]
+
+
+def _scatter(call: Call) -> list[Sig]:
+    """scatter (src or value) and scatter_add: out = self with src written (added) at the index."""
+    dim = _dim(call, 1)
+    sigs = [Sig((Split(d),) * len(call.ins), (Split(d),)) for d in _alike(dim, *call.ins)]
+    if call.func is aten.scatter_add.default:
+        p = Partial("sum")
+        sigs.append(Sig((p, _B, p), (p,)))
+    return sigs
+
+
+def _sort(call: Call) -> list[Sig]:
+    """topk and sort: (values, indices), each row along ``dim`` on its own."""
+    x = call.ins[0]
+    if call.func is aten.topk.default:
+        dim = _dim(call, 2, -1)
+    elif call.func is aten.sort.stable:
+        dim = call.kwargs.get("dim", -1) % x.ndim if x.ndim else 0
+    else:
+        dim = _dim(call, 1, -1)
+    return [Sig((Split(d),), (Split(d), Split(d))) for d in range(x.ndim) if d != dim]
+
+
+class _Indexed:
+    """Where ``x[indices]`` puts x's dims: the broadcast index shape replaces the indexed dims, in
+    place when they are adjacent, else in front."""
+
+    def __init__(self, x, indices) -> None:
+        self.dims = [d for d, t in enumerate(indices) if t is not None]
+        self.tensors = [t for t in indices if t is not None]
+        self.shape = tuple(torch.broadcast_shapes(*(t.shape for t in self.tensors)))
+        self.rest = [d for d in range(x.ndim) if d not in self.dims]
+        self.adjacent = self.dims == list(range(self.dims[0], self.dims[-1] + 1))
+        self.first = self.dims[0] if self.adjacent else 0
+
+    def out_dim(self, d: int) -> int:
+        """The result's dim holding x's dim ``d`` (not an indexed one)."""
+        if not self.adjacent:
+            return len(self.shape) + self.rest.index(d)
+        return d if d < self.first else d - len(self.dims) + len(self.shape)
+
+
+def _indexed(call: Call) -> _Indexed | None:
+    indices = call.arg(1, "indices")
+    if not any(t is not None for t in indices) or any(
+        t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices
+    ):
+        return None
+    return _Indexed(call.ins[0], indices)
+
+
+def _index(call: Call) -> list[Sig]:
+    ix = _indexed(call)
+    if ix is None:
+        return []
+    n = len(ix.tensors)
+    sigs = [Sig((Split(d), *(_B,) * n), (Split(ix.out_dim(d)),)) for d in ix.rest]
+    if all(tuple(t.shape) == ix.shape for t in ix.tensors):
+        sigs += [Sig((_B, *(Split(e),) * n), (Split(ix.first + e),)) for e in range(len(ix.shape))]
+    return [*sigs, *(Sig((p, *(_B,) * n), (p,)) for p in _PARTIALS)]
+
+
+def _index_put(call: Call) -> list[Sig]:
+    ix = _indexed(call)
+    if ix is None:
+        return []
+    x, values = call.ins[0], call.ins[-1]
+    n = len(ix.tensors)
+    result_ndim = len(ix.shape) + len(ix.rest)  # x[indices], which values broadcast to
+    sigs = []
+    for d in ix.rest:
+        vd = ix.out_dim(d) - (result_ndim - values.ndim)
+        if vd >= 0 and values.shape[vd] == x.shape[d]:
+            sigs.append(Sig((Split(d), *(_B,) * n, Split(vd)), (Split(d),)))
+        elif vd < 0 or values.shape[vd] == 1:  # values broadcast along it: each piece writes them all
+            sigs.append(Sig((Split(d), *(_B,) * n, _B), (Split(d),)))
+    if call.arg(3, "accumulate", False):
+        p = Partial("sum")
+        sigs.append(Sig((p, *(_B,) * n, p), (p,)))
+    return sigs
+
+
+register(aten.gather.default, Rule(_gather, name="gather"))
+register([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], Rule(_scatter, name="scatter"))
+register([aten.topk.default, aten.sort.default, aten.sort.stable], Rule(_sort, name="sort"))
+register(aten.index.Tensor, Rule(_index, name="index"))
+register(aten.index_put.default, Rule(_index_put, name="index_put"))
+
+
+# -- validator samples ------------------------------------------------------------------------
+
+_G = torch.Generator().manual_seed(0)
+
+
+def _r(*shape):
+    return torch.randn(shape, generator=_G)
+
+
+def _i(high: int, *shape):
+    return torch.randint(0, high, shape, generator=_G)
+
+
+SAMPLES = {
+    aten.gather.default: lambda: [
+        ((_r(5, 7), 1, _i(7, 5, 4)), {}),
+        ((_r(5, 7), 0, _i(5, 3, 7)), {}),
+        ((_r(5, 7), 1, _i(7, 5, 7)), {}),
+        ((_r(3, 5, 2), -1, _i(2, 3, 5, 3)), {}),
+    ],
+    aten.scatter.src: lambda: [
+        ((_r(5, 7), 1, _i(7, 5, 3), _r(5, 3)), {}),
+        ((_r(5, 7), 0, _i(5, 2, 7), _r(2, 7)), {}),
+    ],
+    aten.scatter.value: lambda: [((_r(5, 7), 1, _i(7, 5, 3), 2.5), {})],
+    aten.scatter_add.default: lambda: [
+        ((_r(5, 7), 1, _i(7, 5, 9), _r(5, 9)), {}),
+        ((_r(5, 7), 0, _i(5, 6, 7), _r(6, 7)), {}),
+    ],
+    aten.topk.default: lambda: [((_r(5, 7), 3), {}), ((_r(5, 7), 2, 0, False), {}), ((_r(3, 5, 4), 4, 1), {})],
+    aten.sort.default: lambda: [((_r(5, 7),), {}), ((_r(5, 7), 0, True), {})],
+    aten.sort.stable: lambda: [((_r(5, 7),), {"stable": True, "dim": 0}), ((_r(3, 5, 4),), {"stable": True})],
+    aten.index.Tensor: lambda: [
+        ((_r(5, 7), [_i(5, 6)]), {}),
+        ((_r(5, 7, 3), [None, _i(7, 4, 2)]), {}),
+        ((_r(5, 7, 3), [_i(5, 4), None, _i(3, 4)]), {}),  # not adjacent: the index dims come first
+        ((_r(5, 7, 3), [None, _i(7, 5), _i(3, 1)]), {}),  # broadcast indices
+    ],
+    aten.index_put.default: lambda: [
+        ((_r(5, 7), [_i(5, 6)], _r(6, 7), True), {}),
+        ((_r(5, 7), [torch.randperm(5, generator=_G)[:3]], _r(3, 7)), {}),
+        ((_r(5, 7, 3), [None, _i(7, 4)], _r(5, 4, 3), True), {}),
+        ((_r(5, 7, 3), [None, _i(7, 4)], _r(3), True), {}),  # values broadcast
+    ],
+}
