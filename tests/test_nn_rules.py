@@ -1,4 +1,4 @@
-"""nn functions on GlobalTensors equal plain torch: layer/batch norm, softmax, cross-entropy, embedding.
+"""nn functions on GlobalTensors equal plain torch: layer/batch/group norm, softmax, cross-entropy, embedding.
 
 Outputs and gradients in sampled layouts on the oracle meshes; batch norm modules over two training
 steps (running stats from the global batch) and in eval; no op left to the replicated fallback.
@@ -235,6 +235,20 @@ def test_batch_norm_functional_no_running_stats(meshes, shape):
     check(batch_norm, [r(7, 3, 2), r(3), r(3)], meshes[shape], max_combos=16, rtol=1e-4)
 
 
+# -- group norm -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+def test_group_norm(meshes, shape):
+    """A batch split runs the kernel on each shard; a channel or spatial split decomposes (each
+    group's statistics summed over the devices)."""
+
+    def group_norm(x, w, b):
+        return F.group_norm(x, 2, w, b)
+
+    check(group_norm, [r(5, 6, 3), r(6), r(6)], meshes[shape], max_combos=16, rtol=1e-4)
+
+
 # -- coverage ---------------------------------------------------------------------------------
 
 
@@ -264,6 +278,8 @@ def test_no_fallback_for_nn_functions(meshes):
         bn.eval()
         losses.append(bn(g(r(5, 3, 2, 3), S(0), S(1))).sum())
         losses.append(F.batch_norm(g(r(5, 3), S(1), S(1)), None, None, training=True).sum())
+        losses.append(F.group_norm(g(r(5, 4, 3), S(0), S(0)), 2, g(r(4), B, B), g(r(4), B, B)).sum())
+        losses.append(F.group_norm(g(r(5, 4, 3), S(0), S(2)), 4).sum())
         sum(losses).backward()
     cov = shoal.coverage()
     assert not cov.by_fallback, str(cov)

@@ -1,4 +1,4 @@
-"""Normalization: layer norm and batch norm, forward and backward.
+"""Normalization: layer norm, batch norm and group norm, forward and backward.
 
 Layer norm is local on a split non-normalized dim (weight/bias Broadcast; their gradients Partial);
 a split normalized dim decomposes into mean/rsqrt/mul with rules. Batch norm is local on a channel
@@ -364,6 +364,117 @@ register(
 )
 
 
+# -- group norm -------------------------------------------------------------------------------
+# native_group_norm(input, weight, bias, N, C, HxW, group, eps) -> (out, mean (N, group), rstd (N, group)).
+# Each sample is normalized on its own: a batch split is local, with N the shard's; another split
+# decomposes into ops that have rules (statistics of each group as Partial sums over the split dim).
+
+
+def _group_norm(call: Call) -> list[Sig]:
+    x, w, b = call.args[0], call.arg(1, "weight"), call.arg(2, "bias")
+    return [Sig(sig_of((x, w, b), (Split(0), _B, _B)), (Split(0),) * 3)]
+
+
+def _group_norm_local(call: Call, ins, outs):
+    """The shard's own batch size for N (an empty shard gets empty outputs)."""
+    func = call.func
+
+    def run(x, weight, bias, n, c, hxw, group, eps):
+        if x.shape[0] == 0:
+            return x.clone(), x.new_zeros((0, group)), x.new_zeros((0, group))
+        return func(x, weight, bias, x.shape[0], c, hxw, group, eps)
+
+    return run
+
+
+def _not_batch_split(*which: int):
+    def pred(call: Call, specs) -> bool:
+        return call.args[which[0]].numel() > 0 and any(d != 0 for i in which for d in _split_dims(specs[i]))
+
+    return pred
+
+
+def _grouped(t, n: int, group: int):
+    return aten.reshape.default(t, [n, group, -1])
+
+
+def _channel_shape(x) -> list[int]:
+    return [1, x.shape[1]] + [1] * (x.ndim - 2)
+
+
+def _group_norm_decomposition(x, weight, bias, n, c, hxw, group, eps):
+    out, mean, _, rstd = _normalize(_grouped(x, n, group), [2], eps)
+    out = aten.reshape.default(out, list(x.shape))
+    if weight is not None:
+        out = aten.mul.Tensor(out, aten.view.default(weight, _channel_shape(x)))
+    if bias is not None:
+        out = aten.add.Tensor(out, aten.view.default(bias, _channel_shape(x)))
+    return (_cast(out, x.dtype), _cast(aten.view.default(mean, [n, group]), x.dtype),
+            _cast(aten.view.default(rstd, [n, group]), x.dtype))
+
+
+# native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
+
+
+def _group_norm_backward(call: Call) -> list[Sig]:
+    g, x, mean, rstd, w = call.args[:5]
+    mask = call.args[9]
+    vals = (g, x, mean, rstd, w)
+    return [
+        Sig(sig_of(vals, (Split(0),) * 4 + (_B,)), _outs(mask, (Split(0), _P, _P))),
+        Sig(sig_of(vals, (_P,) + (_B,) * 4), _outs(mask, (_P,) * 3)),  # linear in grad_out
+    ]
+
+
+def _group_norm_backward_local(call: Call, ins, outs):
+    func = call.func
+
+    def run(g, x, mean, rstd, weight, n, c, hxw, group, mask):
+        if x.shape[0] > 0:
+            return func(g, x, mean.contiguous(), rstd.contiguous(), weight, x.shape[0], c, hxw, group, mask)
+        return (x.new_zeros(x.shape) if mask[0] else None, x.new_zeros((c,)) if mask[1] else None,
+                x.new_zeros((c,)) if mask[2] else None)
+
+    return run
+
+
+def _group_norm_backward_decomposition(g, x, mean, rstd, weight, n, c, hxw, group, mask):
+    dt = _compute_dtype(x.dtype)
+    gc, xc = _cast(g, dt), _cast(x, dt)
+    stat = [n, group, 1]
+    xhat = aten.mul.Tensor(aten.sub.Tensor(_grouped(xc, n, group), aten.view.default(mean, stat)),
+                           aten.view.default(rstd, stat))
+    xhat = aten.reshape.default(xhat, list(x.shape))  # (N, C, ...)
+    dims = [0, *range(2, x.ndim)]
+    gi = gw = gb = None
+    if mask[0]:
+        gx = aten.mul.Tensor(gc, aten.view.default(weight, _channel_shape(x))) if weight is not None else gc
+        gxg, xhg = _grouped(gx, n, group), _grouped(xhat, n, group)
+        a = aten.mean.dim(gxg, [2], True)
+        b = aten.mean.dim(aten.mul.Tensor(gxg, xhg), [2], True)
+        inner = aten.sub.Tensor(aten.sub.Tensor(gxg, a), aten.mul.Tensor(xhg, b))
+        gi = aten.reshape.default(aten.mul.Tensor(inner, aten.view.default(rstd, stat)), list(x.shape))
+        gi = _cast(gi, x.dtype)
+    wdt = weight.dtype if weight is not None else x.dtype
+    if mask[1]:
+        gw = _cast(aten.sum.dim_IntList(aten.mul.Tensor(gc, xhat), dims), wdt)
+    if mask[2]:
+        gb = _cast(aten.sum.dim_IntList(gc, dims), wdt)
+    return gi, gw, gb
+
+
+register(
+    aten.native_group_norm.default,
+    Rule(_group_norm, local=_group_norm_local, decompose=_not_batch_split(0),
+         decomposition=_group_norm_decomposition, name="group_norm"),
+)
+register(
+    aten.native_group_norm_backward.default,
+    Rule(_group_norm_backward, local=_group_norm_backward_local, decompose=_not_batch_split(0, 1),
+         decomposition=_group_norm_backward_decomposition, name="group_norm_backward"),
+)
+
+
 # -- validator samples ------------------------------------------------------------------------
 
 _G = torch.Generator().manual_seed(0)
@@ -398,7 +509,25 @@ def _bn_bwd(shape, train, affine=True, stats=True, mask=(True, True, True)):
 # Few tensor inputs of few dims: the validator samples layouts of decomposing ops from their full product.
 # Eval forward is always decomposed, and not sampled here: the registry's all-Broadcast signature would run the
 # kernel, whose placeholder outputs are (0,) on CPU where its meta kernel says (C,). tests/test_nn_rules.py has it.
+def _gn_bwd(shape, group, affine=True, mask=(True, True, True)):
+    x, c = _r(*shape), shape[1]
+    w = _r(c) if affine else None
+    hxw = math.prod(shape[2:])
+    _, mean, rstd = aten.native_group_norm.default(x, w, None, shape[0], c, hxw, group, 1e-5)
+    return (_r(*shape), x, mean, rstd, w, shape[0], c, hxw, group, list(mask)), {}
+
+
 SAMPLES = {
+    aten.native_group_norm.default: lambda: [
+        ((_r(5, 6, 3), _r(6), _r(6), 5, 6, 3, 2, 1e-5), {}),
+        ((_r(3, 4, 2, 3), None, None, 3, 4, 6, 4, 1e-5), {}),
+        ((_r(7, 4), _r(4), None, 7, 4, 1, 1, 1e-5), {}),
+    ],
+    aten.native_group_norm_backward.default: lambda: [
+        _gn_bwd((5, 6, 3), 2),
+        _gn_bwd((3, 4, 2, 3), 4, affine=False, mask=(True, False, False)),
+        _gn_bwd((7, 4), 1, mask=(True, False, True)),
+    ],
     aten.native_layer_norm.default: lambda: [
         ((_r(5, 7), [7], _r(7), _r(7), 1e-5), {}),
         ((_r(3, 5, 6), [5, 6], _r(5, 6), None, 1e-5), {}),
