@@ -1,4 +1,4 @@
-"""Convolution, pooling, attention and the optimizers' foreach path on GlobalTensors equal plain torch:
+"""Convolution, pooling, upsampling, attention and the optimizers' foreach path on GlobalTensors equal plain torch:
 outputs and gradients for sampled input layouts, and parameters after optimizer steps."""
 
 import itertools
@@ -45,6 +45,17 @@ def conv_block(x, w1, b1, w2):
 def test_conv2d(mesh_shape, meshes):
     inputs = [r(3, 5, 7, 7), r(7, 5, 3, 3), r(7)]
     assert check(conv, inputs, meshes[mesh_shape], max_combos=12, rtol=1e-4, atol=1e-4) > 0
+
+
+def upsample(x):
+    return (F.interpolate(x, scale_factor=2, mode="nearest").sum((2, 3))
+            + F.interpolate(x, size=(5, 9), mode="bilinear", align_corners=True).mean((2, 3))
+            + F.interpolate(x, scale_factor=1.5, mode="bicubic").amax((2, 3)))
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_upsample(mesh_shape, meshes):
+    assert check(upsample, [r(5, 3, 4, 6)], meshes[mesh_shape], max_combos=12, rtol=1e-4, atol=1e-4) > 0
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -94,11 +105,8 @@ def test_attention_masked(mesh_shape, meshes):
 def test_attention_math_path(mesh_shape, meshes):
     mesh = meshes[mesh_shape]
     lay = combos(mesh, (B, S(0), S(1)), (B, S(0), S(1)), (B, S(0), S(1)), (B,))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # see KNOWN_GAPS
-        n = check(
-            math_attention, [r(3, 5, 4, 2), r(3, 5, 6, 2), r(3, 5, 6, 2), r(4, 6)], mesh, in_layouts=lay, max_combos=6
-        )
+    inputs = [r(3, 5, 4, 2), r(3, 5, 6, 2), r(3, 5, 6, 2), r(4, 6)]
+    n = check(math_attention, inputs, mesh, in_layouts=lay, max_combos=6)
     assert n > 0
 
 
@@ -283,13 +291,6 @@ def test_fused_adam_matches_torch(mesh_shape, opt):
 
 # -- coverage ---------------------------------------------------------------------------------
 
-# ops these paths reach that fall back, and why (the only place such gaps are listed)
-KNOWN_GAPS = {
-    "aten.softmax.int": "sdpa's math path calls _safe_softmax, which has no rule (softmax family): torch's "
-    "decomposition of it calls softmax.int, a composite op that then reaches dispatch undecomposed",
-}
-
-
 def test_no_fallback(meshes):
     mesh = meshes[(2, 2)]
     shoal.coverage(reset=True)
@@ -304,19 +305,23 @@ def test_no_fallback(meshes):
         causal_attention(q, k, v).sum().backward()
         mask = make_global(r(3, 1, 6, 6), mesh, [S(0), B])
         masked_attention(q, k, v, mask).sum().backward()
+        upsample(make_global(r(5, 3, 4, 6), mesh, [S(0), S(1)], requires_grad=True)).sum().backward()
     cov = shoal.coverage()
     assert not cov.by_fallback, cov
     ran = {str(op) for op in cov.by_rule}
-    for op in ("convolution", "convolution_backward", "max_pool2d_with_indices", "avg_pool2d_backward"):
+    for op in ("convolution", "convolution_backward", "max_pool2d_with_indices", "avg_pool2d_backward",
+               "upsample_nearest2d_backward", "upsample_bilinear2d", "upsample_bicubic2d_backward"):
         assert f"aten.{op}.default" in ran
     assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" in ran
 
 
-def test_math_path_gaps(meshes):
+def test_math_attention_path_has_no_fallback(meshes):
+    """sdpa's math path: torch's decomposition of _safe_softmax calls softmax.int, a composite op that
+    dispatch decomposes by its own kernel (into _softmax, which has a rule), not by torch's table."""
     mesh = meshes[(2,)]
     q, k, v = (make_global(r(3, 5, 6, 4), mesh, S(1), requires_grad=True) for _ in range(3))
     shoal.coverage(reset=True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")  # a fallback warns
         math_attention(q, k, v, make_global(r(6, 6), mesh, B)).sum().backward()
-    assert {str(op) for op in shoal.coverage().by_fallback} <= set(KNOWN_GAPS)
+    assert not shoal.coverage().by_fallback

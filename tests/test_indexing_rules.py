@@ -1,5 +1,5 @@
 """Indexing and selection on GlobalTensors equal plain torch: advanced indexing, gather, scatter_add,
-topk, sort, var/std and triangular masks. Outputs and gradients in sampled layouts on the oracle
+topk, sort, var/std, triangular masks, cumsum, padding and where with a number. Outputs and gradients in sampled layouts on the oracle
 meshes; the data-parallel uses of them leave no op to the replicated fallback."""
 
 import warnings
@@ -59,6 +59,14 @@ def test_var_std_tril(meshes, shape):
     check(moments, [r(3, 5, 7)], meshes[shape], max_combos=24, rtol=1e-4)
 
 
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+def test_cumsum_pad_where(meshes, shape):
+    def scan(x):
+        return F.pad(x.cumsum(1), (1, 2)) + torch.where(F.pad(x, (2, 1)) > 0, 0.5, F.pad(x, (2, 1), value=-1.0))
+
+    check(scan, [r(3, 5, 7)], meshes[shape], max_combos=24)
+
+
 def test_no_fallback_for_indexing_under_data_parallel(meshes):
     """Batch-split data with replicated indices and weights (and the other way round): each op runs
     on its shards, forward and backward."""
@@ -81,6 +89,7 @@ def test_no_fallback_for_indexing_under_data_parallel(meshes):
             x.topk(2, dim=1).values.sum() + x.sort(dim=-1).values[..., 0].sum(),
             x.var(-1).sum() + x.std((1, 2)).sum(),
             F.softmax(x.tril(), -1).sum(),
+            F.pad(x.cumsum(1), (1, 1)).sum() + torch.where(x > 0, x, 0.0).sum(),
         ]
         sum(losses).backward()
     cov = shoal.coverage()

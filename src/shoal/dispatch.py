@@ -241,12 +241,13 @@ def _wrapper_device() -> torch.device:
 
 
 def _decomposition(func):
-    """torch's decomposition of ``func``: its table entry, or the op's own CompositeImplicitAutograd
-    kernel (such ops reach dispatch from inside decompositions, below autograd)."""
-    fn = decomposition_table.get(func)
-    if fn is None and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-        fn = func.decompose
-    return fn
+    """torch's decomposition of ``func``: the op's own CompositeImplicitAutograd kernel (such ops
+    reach dispatch from inside decompositions, below autograd), else its table entry. The kernel
+    first: it stays in ATen ops, which have rules, where the table's entry may be a reference
+    implementation in prims (``where.ScalarOther``), which have none."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return func.decompose
+    return decomposition_table.get(func)
 
 
 def _decomposition_agrees(func, targs, tkwargs, tensors) -> bool:

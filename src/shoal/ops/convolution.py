@@ -1,5 +1,6 @@
-"""Convolution and pooling: ``convolution`` (conv1d/2d/3d, transposed too) and its backward,
-``max_pool2d_with_indices``, ``avg_pool2d``, ``_adaptive_avg_pool2d`` and their backwards.
+"""Convolution, pooling and upsampling: ``convolution`` (conv1d/2d/3d, transposed too) and its
+backward, ``max_pool2d_with_indices``, ``avg_pool2d``, ``_adaptive_avg_pool2d``, the ``upsample_*``
+interpolations and their backwards.
 
 Batch and channel splits are local: batch S(0) with weight B; output channels (weight S(0), bias
 S(0)) -> S(1); input channels (input S(1), weight S(1), bias Partial) -> Partial. Channel splits need
@@ -119,6 +120,37 @@ register(
 )
 
 
+# -- upsampling -----------------------------------------------------------------------------------
+# Nearest and (bi/tri)linear/cubic interpolation, forward and backward: each sample and channel on
+# its own (batch and channel splits local; the output size and scales are spatial), and linear in
+# the input (Partial passes through).
+
+_UPSAMPLE = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+             "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+             "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
+
+
+def _upsample(call: Call) -> list[Sig]:
+    n = len(call.ins)
+    return [*(Sig((S(d),) * n, (S(d),)) for d in range(2) if call.ins[0].shape[d] > 0), Sig((_P,) * n, (_P,))]
+
+
+def _upsample_backward_local(call: Call, ins, outs):
+    """The shard's batch and channel counts in ``input_size`` (the result's size)."""
+    func = call.func
+
+    def run(g, output_size, input_size, *rest):
+        return func(g, output_size, [*g.shape[:2], *input_size[2:]], *rest)
+
+    return pad_empty(run)
+
+
+register([getattr(aten, f).default for f in _UPSAMPLE],
+         Rule(_upsample, local=pad_empty_local, local_ctx=True, name="upsample"))
+register([getattr(aten, f"{f}_backward").default for f in _UPSAMPLE],
+         Rule(_upsample, local=_upsample_backward_local, local_ctx=True, name="upsample_backward"))
+
+
 # -- validator samples (shoal.ops.validate) ---------------------------------------------------
 
 _G = torch.Generator().manual_seed(0)
@@ -181,7 +213,27 @@ def _pool_backward_samples(op):
     return out
 
 
+def _upsample_samples(name: str, backward: bool):
+    """Uneven batch and channel counts, a non-integer scale, and a small input (empty shards)."""
+    k = int(name.removesuffix("_aa")[-2])
+    linear = "nearest" not in name
+    out = []
+    for shape in ((5, 3, *(4,) * k), (2, 2, *(3,) * k)):
+        size = [7] * k
+        for corners in (False, True) if linear else (None,):
+            x = _r(*shape)
+            extra = [] if corners is None else [corners]
+            if not backward:
+                out.append(((x, size, *extra), {}))
+            else:
+                y = getattr(aten, name).default(x, size, *extra)
+                out.append(((_r(*y.shape), size, list(shape), *extra), {}))
+    return out
+
+
 SAMPLES = {
+    **{getattr(aten, f).default: (lambda f=f: _upsample_samples(f, False)) for f in _UPSAMPLE},
+    **{getattr(aten, f"{f}_backward").default: (lambda f=f: _upsample_samples(f, True)) for f in _UPSAMPLE},
     aten.convolution.default: _conv_samples,
     aten.convolution_backward.default: _conv_backward_samples,
     aten.max_pool2d_with_indices.default: lambda: _pool_samples("max"),

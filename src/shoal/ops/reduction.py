@@ -1,8 +1,11 @@
-"""Reductions: sum, mean, amax, amin, max, min, var, std (all elements or over dims, keepdim).
+"""Reductions: sum, mean, amax, amin, max, min, var, std (all elements or over dims, keepdim);
+cumsum.
 
 A split kept dim stays split; a split reduced dim gives Partial (sum for sum/mean, max/min for
 amax/amin). mean over a split dim runs as a local sum divided by the global count. var and std
 over a split dim decompose into mean, the squared deviations and their sum (a Partial sum).
+cumsum is local on the other dims and linear (Partial(sum) stays Partial); a split scanned dim is
+made whole.
 """
 
 from __future__ import annotations
@@ -129,5 +132,30 @@ def _std_decomposition(x, dim=None, *, correction=None, keepdim=False):
     return aten.sqrt.default(_var_decomposition(x, dim, correction=correction, keepdim=keepdim))
 
 
-register(aten.var.correction, Rule(_moment, decompose=_split_reduced, decomposition=_var_decomposition, name="var"))
-register(aten.std.correction, Rule(_moment, decompose=_split_reduced, decomposition=_std_decomposition, name="var"))
+def _moment_local(call: Call, ins, outs):
+    """An empty shard of a kept dim (an uneven split) has an empty result: made without the kernel,
+    which would warn that it has no degrees of freedom."""
+    func = call.func
+    dims, keepdim = reduced_dims(call)
+
+    def run(x, *args, **kwargs):
+        if x.numel() == 0 and any(x.shape[d] == 0 for d in range(x.ndim) if d not in dims):
+            return aten.sum.dim_IntList(x, list(dims), keepdim)
+        return func(x, *args, **kwargs)
+
+    return run
+
+
+_MOMENT = {"decompose": _split_reduced, "local": _moment_local, "name": "var"}
+register(aten.var.correction, Rule(_moment, decomposition=_var_decomposition, **_MOMENT))
+register(aten.std.correction, Rule(_moment, decomposition=_std_decomposition, **_MOMENT))
+
+
+def _cumsum(call: Call) -> list[Sig]:
+    x = call.ins[0]
+    dim = call.arg(1, "dim") % max(x.ndim, 1)
+    p = Partial("sum")
+    return [*(Sig((Split(d),), (Split(d),)) for d in range(x.ndim) if d != dim), Sig((p,), (p,))]
+
+
+register(aten.cumsum.default, Rule(_cumsum, name="cumsum"))

@@ -118,6 +118,12 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
         S_(r(1, 3), [0]),  # one element: nan, as torch
     ],
     aten.std.correction: lambda: [S_(r(5, 7), [0]), S_(r(3, 5, 2), [-1], correction=2, keepdim=True)],
+    aten.cumsum.default: lambda: [S_(r(5, 7), 1), S_(r(5, 7), 0), S_(r(3, 5, 2), -1, dtype=torch.float64)],
+    aten.constant_pad_nd.default: lambda: [
+        S_(r(5, 7), [1, 2]),
+        S_(r(3, 5, 4), [0, 0, 2, 1], 1.5),
+        S_(r(5, 7), [-1, 1]),
+    ],
     aten.tril.default: lambda: [S_(r(5, 7)), S_(r(3, 5, 4), 1), S_(r(2, 3, 5, 4), -2)],
     aten.triu.default: lambda: [S_(r(5, 7), 2), S_(r(3, 5, 4))],
     # matrix

@@ -1,5 +1,6 @@
 """View and shape ops: view/reshape, permute/transpose/t, (un)squeeze, expand, slice, select,
-cat, stack, split, unbind and their backward ops; the in-place views (transpose_, t_, (un)squeeze_).
+cat, stack, split, unbind and their backward ops, flip, constant padding; the in-place views
+(transpose_, t_, (un)squeeze_).
 
 A split dim keeps its split where the op moves it (its output dim is computed per op); dims the op
 slices or concatenates along must be whole. Views that merge or split a split dim are checked for
@@ -235,8 +236,16 @@ def _flip(call: Call) -> list[Sig]:
     return _moves(call, lambda d: None if d in dims else d)
 
 
+def _pad(call: Call) -> list[Sig]:
+    """constant_pad_nd: dims it pads (or crops) stay whole; the pad value makes it not linear."""
+    nd, pad = call.ins[0].ndim, call.arg(1, "pad")
+    padded = {nd - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    return _moves(call, lambda d: None if d in padded else d, partial=False)
+
+
 register(aten.slice.Tensor, Rule(_slice, name="slice"))
 register(aten.flip.default, Rule(_flip, name="flip"))
+register(aten.constant_pad_nd.default, Rule(_pad, name="pad"))
 register(aten.select.int, Rule(_select, name="select"))
 register(aten.slice_backward.default, Rule(_slice_backward, size_arg=1, name="slice_backward"))
 register(aten.select_backward.default, Rule(_select_backward, size_arg=1, name="select_backward"))
