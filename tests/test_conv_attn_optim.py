@@ -53,6 +53,16 @@ def upsample(x):
             + F.interpolate(x, scale_factor=1.5, mode="bicubic").amax((2, 3)))
 
 
+def pools_3d(x):
+    y = F.max_pool3d(x, 2).sum() + F.avg_pool3d(x, (1, 2, 2), padding=(0, 1, 1)).sum()
+    return y + F.adaptive_max_pool3d(x, (2, 1, 2)).sum() + F.adaptive_max_pool2d(x[:, :, 0], 3).sum()
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_pools_3d_and_adaptive_max(mesh_shape, meshes):
+    assert check(pools_3d, [r(5, 3, 4, 5, 5)], meshes[mesh_shape], max_combos=12, rtol=1e-4, atol=1e-4) > 0
+
+
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_upsample(mesh_shape, meshes):
     assert check(upsample, [r(5, 3, 4, 6)], meshes[mesh_shape], max_combos=12, rtol=1e-4, atol=1e-4) > 0
@@ -306,6 +316,7 @@ def test_no_fallback(meshes):
         mask = make_global(r(3, 1, 6, 6), mesh, [S(0), B])
         masked_attention(q, k, v, mask).sum().backward()
         upsample(make_global(r(5, 3, 4, 6), mesh, [S(0), S(1)], requires_grad=True)).sum().backward()
+        pools_3d(make_global(r(5, 3, 4, 5, 5), mesh, [S(0), S(1)], requires_grad=True)).backward()
     cov = shoal.coverage()
     assert not cov.by_fallback, cov
     ran = {str(op) for op in cov.by_rule}

@@ -24,25 +24,27 @@ def test_decisions_are_cached(meshes):
 def test_fallback_is_correct_warns_once_and_is_listed(meshes):
     mesh = meshes[(2, 2)]
     aten = torch.ops.aten
-    op = aten.logcumsumexp.default
+    op = aten._cdist_forward.default  # torch.cdist on small inputs; its backward is _cdist_backward
     assert shoal.ops.lookup(op) is None and op not in D.decomposition_table
-    v = torch.randn(5, 3)
+    v, w = torch.randn(5, 3), torch.randn(4, 3)
     shoal.coverage(reset=True)
     x = make_global(v, mesh, [S(0), P], requires_grad=True)
-    with pytest.warns(UserWarning, match="no SBP rule for aten.logcumsumexp.default"):
-        y = torch.logcumsumexp(x, 0)
+    with pytest.warns(UserWarning, match="no SBP rule for aten._cdist_forward.default"):
+        y = torch.cdist(x, w)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
-        y2 = torch.logcumsumexp(x * 2, 0)
-    assert_same_value(y, torch.logcumsumexp(v, 0))
-    assert_same_value(y2, torch.logcumsumexp(v * 2, 0))
-    (y * torch.arange(3.0)).sum().backward()
+        y2 = torch.cdist(x * 2, w)
+    assert_same_value(y, torch.cdist(v, w))
+    assert_same_value(y2, torch.cdist(v * 2, w))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # _cdist_backward falls back too
+        (y * torch.arange(4.0)).sum().backward()
     vv = v.clone().requires_grad_()
-    (torch.logcumsumexp(vv, 0) * torch.arange(3.0)).sum().backward()
+    (torch.cdist(vv, w) * torch.arange(4.0)).sum().backward()
     assert_same_value(x.grad, vv.grad)
     cov = shoal.coverage()
-    assert cov.by_fallback[aten.logcumsumexp.default] >= 2  # its backward calls it too
-    assert "logcumsumexp" in repr(cov)
+    assert cov.by_fallback[op] >= 2
+    assert "_cdist_forward" in repr(cov)
 
 
 def test_decomposed_ops_are_listed(meshes):

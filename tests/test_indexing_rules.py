@@ -1,5 +1,6 @@
 """Indexing and selection on GlobalTensors equal plain torch: advanced indexing, gather, scatter_add,
-topk, sort, var/std, triangular masks, cumsum, padding and where with a number. Outputs and gradients in sampled layouts on the oracle
+topk, sort, order statistics, diagonals, var/std (and with the mean), prod, triangular masks, scans,
+padding and where with a number. Outputs and gradients in sampled layouts on the oracle
 meshes; the data-parallel uses of them leave no op to the replicated fallback."""
 
 import warnings
@@ -67,6 +68,37 @@ def test_cumsum_pad_where(meshes, shape):
     check(scan, [r(3, 5, 7)], meshes[shape], max_combos=24)
 
 
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+def test_order_statistics_and_scans(meshes, shape):
+    def stats(x):
+        var, mean = torch.var_mean(x, -1)
+        std, _ = torch.std_mean(x, (0, 2), keepdim=True)
+        return (var + mean + x.median(-1).values + x.kthvalue(2, 1).values.sum(-1, keepdim=True)
+                + x.prod(-1) + x.cumprod(1).sum(-1) + x.cummax(2).values.sum(-1) + std.sum())
+
+    check(stats, [r(3, 5, 7) * 0.5 + 1], meshes[shape], max_combos=24, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+def test_diagonal(meshes, shape):
+    def diagonals(x):
+        return x.diagonal(dim1=1, dim2=2) + x[:, :, 1:6].diagonal(dim1=1, dim2=2) + x.diagonal(-1, 2, 1)
+
+    check(diagonals, [r(3, 5, 7)], meshes[shape], max_combos=24)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+def test_as_strided_addresses_the_global_strides(meshes, shape):
+    """as_strided reads the storage under the tensor's own strides (here of a transposed view), as
+    torch does; unfold's backward runs through it."""
+
+    def strided(x):
+        t = x.transpose(1, 2)
+        return t.as_strided([3, 4], [35, 8], 1) + x.unfold(2, 3, 2).sum((1, 3))[:, :3].sum(-1, keepdim=True)
+
+    check(strided, [r(3, 5, 7)], meshes[shape], max_combos=24)
+
+
 def test_no_fallback_for_indexing_under_data_parallel(meshes):
     """Batch-split data with replicated indices and weights (and the other way round): each op runs
     on its shards, forward and backward."""
@@ -90,6 +122,8 @@ def test_no_fallback_for_indexing_under_data_parallel(meshes):
             x.var(-1).sum() + x.std((1, 2)).sum(),
             F.softmax(x.tril(), -1).sum(),
             F.pad(x.cumsum(1), (1, 1)).sum() + torch.where(x > 0, x, 0.0).sum(),
+            x[:, :3].diagonal(dim1=1, dim2=2).sum() + x.prod(-1).sum() + torch.var_mean(x, 1)[0].sum(),
+            x.median(-1).values.sum() + x.kthvalue(2, 1).values.sum() + x.cummax(1).values.sum(),
         ]
         sum(losses).backward()
     cov = shoal.coverage()

@@ -85,15 +85,16 @@ register(
 # -- pooling: every dim but the pooled (last two) is independent -------------------------------
 
 
-def _pool_dims(x: torch.Tensor) -> range:
-    return range(x.ndim - 2)
+def _pool_dims(call: Call, x: torch.Tensor) -> range:
+    """The batch and channel dims (the ones before the 2 or 3 pooled dims)."""
+    return range(x.ndim - (3 if "3d" in str(call.func) else 2))
 
 
 def _pool(call: Call) -> list[Sig]:
     x = call.ins[0]
     nout = len(call.outs)
-    sigs = [Sig((S(d),), (S(d),) * nout) for d in _pool_dims(x)]
-    if call.func != aten.max_pool2d_with_indices.default:  # averages are linear (indices are not)
+    sigs = [Sig((S(d),), (S(d),) * nout) for d in _pool_dims(call, x)]
+    if call.func in _AVERAGES:  # averages are linear (maxima and their indices are not)
         sigs.append(Sig((_P,), (_P,)))
     return sigs
 
@@ -102,19 +103,27 @@ def _pool_backward(call: Call) -> list[Sig]:
     """grad_output, input (and indices) split alike; linear in grad_output."""
     n = len(call.ins)
     x = call.ins[1]
-    sigs = [Sig((S(d),) * n, (S(d),)) for d in _pool_dims(x)]
+    sigs = [Sig((S(d),) * n, (S(d),)) for d in _pool_dims(call, x)]
     sigs.append(Sig((_P,) + (_B,) * (n - 1), (_P,)))
     return sigs
 
 
+_AVERAGES = {aten.avg_pool2d.default, aten.avg_pool3d.default, aten._adaptive_avg_pool2d.default,
+             aten._adaptive_avg_pool3d.default}
 _POOL = Rule(_pool, local=pad_empty_local, local_ctx=True, name="pool")
 _POOL_BACKWARD = Rule(_pool_backward, local=pad_empty_local, local_ctx=True, name="pool_backward")
-register([aten.max_pool2d_with_indices.default, aten.avg_pool2d.default, aten._adaptive_avg_pool2d.default], _POOL)
+register([aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default, aten.adaptive_max_pool2d.default,
+          aten.adaptive_max_pool3d.default, *_AVERAGES], _POOL)
 register(
     [
         aten.max_pool2d_with_indices_backward.default,
+        aten.max_pool3d_with_indices_backward.default,
+        aten.adaptive_max_pool2d_backward.default,
+        aten.adaptive_max_pool3d_backward.default,
         aten.avg_pool2d_backward.default,
+        aten.avg_pool3d_backward.default,
         aten._adaptive_avg_pool2d_backward.default,
+        aten._adaptive_avg_pool3d_backward.default,
     ],
     _POOL_BACKWARD,
 )
@@ -183,33 +192,56 @@ def _conv_backward_samples():
     return out
 
 
+_POOL_OPS = {  # sample kind -> (forward op, backward op)
+    "max": (aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward),
+    "max3d": (aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward),
+    "avg": (aten.avg_pool2d, aten.avg_pool2d_backward),
+    "avg3d": (aten.avg_pool3d, aten.avg_pool3d_backward),
+    "adaptive": (aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward),
+    "adaptive3d": (aten._adaptive_avg_pool3d, aten._adaptive_avg_pool3d_backward),
+    "adaptive_max": (aten.adaptive_max_pool2d, aten.adaptive_max_pool2d_backward),
+    "adaptive_max3d": (aten.adaptive_max_pool3d, aten.adaptive_max_pool3d_backward),
+}
+
+
 def _pool_samples(op):
     """Full argument lists, so that the backward samples can reuse them."""
     x4, x3, small = _r(5, 7, 7, 7), _r(7, 7, 7), _r(2, 2, 5, 5)  # small: empty shards on 3 or 4 devices
+    x5, small5 = _r(5, 3, 4, 5, 5), _r(2, 2, 3, 4, 4)
     if op == "max":  # (x, kernel, stride, padding, dilation, ceil_mode)
         cfgs = [(x4, [2, 2], [2, 2], [0, 0], [1, 1], False), (x4, [3, 3], [2, 2], [1, 1], [1, 1], True)]
         cfgs += [(x3, [2, 2], [1, 1], [0, 0], [2, 2], False), (small, [2, 2], [2, 2], [0, 0], [1, 1], False)]
+    elif op == "max3d":
+        cfgs = [(x5, [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False),
+                (small5, [1, 3, 3], [1, 2, 2], [0, 1, 1], [1, 1, 1], True)]
     elif op == "avg":  # (x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
         cfgs = [(x4, [2, 2], [2, 2], [0, 0], False, True, None), (x4, [3, 3], [2, 2], [1, 1], True, False, None)]
         cfgs += [(x3, [3, 3], [2, 2], [1, 1], False, True, 2), (small, [2, 2], [2, 2], [0, 0], False, True, None)]
-    else:  # (x, output_size)
+    elif op == "avg3d":
+        cfgs = [(x5, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None),
+                (small5, [1, 3, 3], [1, 2, 2], [0, 1, 1], True, False, None)]
+    elif op.endswith("3d"):  # (x, output_size)
+        cfgs = [(x5, [2, 3, 2]), (small5, [1, 2, 2])]
+    else:
         cfgs = [(x4, [2, 3]), (x3, [3, 3]), (small, [2, 2])]
     return [(cfg, {}) for cfg in cfgs]
 
 
 def _pool_backward_samples(op):
+    forward = _POOL_OPS[op][0].default
     out = []
     for args, _ in _pool_samples(op):
-        x = args[0]
-        if op == "max":
-            y, idx = aten.max_pool2d_with_indices.default(*args)
+        y = forward(*args)
+        if op.startswith("max"):
+            y, idx = y
             out.append(((_r(*y.shape), *args, idx), {}))
-        elif op == "avg":
-            y = aten.avg_pool2d.default(*args)
+        elif op.startswith("adaptive_max"):
+            y, idx = y
+            out.append(((_r(*y.shape), args[0], idx), {}))
+        elif op.startswith("avg"):
             out.append(((_r(*y.shape), *args), {}))
         else:
-            y = aten._adaptive_avg_pool2d.default(*args)
-            out.append(((_r(*y.shape), x), {}))
+            out.append(((_r(*y.shape), args[0]), {}))
     return out
 
 
@@ -236,10 +268,6 @@ SAMPLES = {
     **{getattr(aten, f"{f}_backward").default: (lambda f=f: _upsample_samples(f, True)) for f in _UPSAMPLE},
     aten.convolution.default: _conv_samples,
     aten.convolution_backward.default: _conv_backward_samples,
-    aten.max_pool2d_with_indices.default: lambda: _pool_samples("max"),
-    aten.avg_pool2d.default: lambda: _pool_samples("avg"),
-    aten._adaptive_avg_pool2d.default: lambda: _pool_samples("adaptive"),
-    aten.max_pool2d_with_indices_backward.default: lambda: _pool_backward_samples("max"),
-    aten.avg_pool2d_backward.default: lambda: _pool_backward_samples("avg"),
-    aten._adaptive_avg_pool2d_backward.default: lambda: _pool_backward_samples("adaptive"),
+    **{fwd.default: (lambda k=k: _pool_samples(k)) for k, (fwd, _) in _POOL_OPS.items()},
+    **{bwd.default: (lambda k=k: _pool_backward_samples(k)) for k, (_, bwd) in _POOL_OPS.items()},
 }

@@ -1,4 +1,5 @@
-"""Indexing: gather, scatter, scatter_add, advanced indexing (index, index_put), topk and sort.
+"""Indexing: gather, scatter, scatter_add, advanced indexing (index, index_put), topk, sort and
+the order statistics (median, mode, kthvalue).
 
 Index values address positions of the full tensor, so a dim the indices address is never split
 with them; every other dim is local when the data and the indices are split on it alike (equal
@@ -128,6 +129,20 @@ def _index_put(call: Call) -> list[Sig]:
 register(aten.gather.default, Rule(_gather, name="gather"))
 register([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], Rule(_scatter, name="scatter"))
 register([aten.topk.default, aten.sort.default, aten.sort.stable], Rule(_sort, name="sort"))
+
+_ORDER_STATS = {aten.median.dim: 1, aten.nanmedian.dim: 1, aten.mode.default: 1, aten.kthvalue.default: 2}
+
+
+def _order_statistic(call: Call) -> list[Sig]:
+    """median, mode, kthvalue along ``dim``: (values, indices), each row on its own."""
+    x = call.ins[0]
+    i = _ORDER_STATS[call.func]
+    dim = _dim(call, i, -1)
+    keepdim = call.arg(i + 1, "keepdim", False)
+    return [Sig((Split(d),), (Split(d if keepdim else d - (d > dim)),) * 2) for d in range(x.ndim) if d != dim]
+
+
+register(list(_ORDER_STATS), Rule(_order_statistic, name="order_statistic"))
 register(aten.index.Tensor, Rule(_index, name="index"))
 register(aten.index_put.default, Rule(_index_put, name="index_put"))
 
@@ -164,6 +179,11 @@ SAMPLES = {
     aten.topk.default: lambda: [((_r(5, 7), 3), {}), ((_r(5, 7), 2, 0, False), {}), ((_r(3, 5, 4), 4, 1), {})],
     aten.sort.default: lambda: [((_r(5, 7),), {}), ((_r(5, 7), 0, True), {})],
     aten.sort.stable: lambda: [((_r(5, 7),), {"stable": True, "dim": 0}), ((_r(3, 5, 4),), {"stable": True})],
+    aten.median.dim: lambda: [((_r(5, 7), 1), {}), ((_r(5, 7), 0, True), {})],
+    aten.nanmedian.dim: lambda: [((torch.where(_r(5, 7) > 1, float("nan"), _r(5, 7)), 1), {})],
+    aten.mode.default: lambda: [((torch.randint(0, 3, (5, 7), generator=_G).float(), 1), {}),
+                                ((torch.randint(0, 3, (3, 5, 4), generator=_G).float(), 0, True), {})],
+    aten.kthvalue.default: lambda: [((_r(5, 7), 2), {}), ((_r(5, 7), 3, 0, True), {})],
     aten.index.Tensor: lambda: [
         ((_r(5, 7), [_i(5, 6)]), {}),
         ((_r(5, 7, 3), [None, _i(7, 4, 2)]), {}),

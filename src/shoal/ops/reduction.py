@@ -1,11 +1,12 @@
-"""Reductions: sum, mean, amax, amin, max, min, var, std (all elements or over dims, keepdim);
-cumsum.
+"""Reductions: sum, mean, amax, amin, max, min, var, std, var_mean, std_mean, prod (all elements
+or over dims, keepdim); the scans cumsum, cumprod, logcumsumexp, cummax, cummin.
 
 A split kept dim stays split; a split reduced dim gives Partial (sum for sum/mean, max/min for
 amax/amin). mean over a split dim runs as a local sum divided by the global count. var and std
-over a split dim decompose into mean, the squared deviations and their sum (a Partial sum).
-cumsum is local on the other dims and linear (Partial(sum) stays Partial); a split scanned dim is
-made whole.
+(alone or with the mean) over a split dim decompose into mean, the squared deviations and their
+sum (a Partial sum).
+A scan is local on the other dims (cumsum is linear: Partial(sum) stays Partial); a split scanned
+dim is made whole.
 """
 
 from __future__ import annotations
@@ -104,9 +105,11 @@ register(list(_KIND), Rule(_reduction, check_nd=_no_empty_max, local=_mean_local
 # -- var, std -------------------------------------------------------------------------------------
 
 
-def _moment(call: Call) -> list[Sig]:
+def _kept_splits(call: Call) -> list[Sig]:
+    """A split kept dim stays split (in every output); a split reduced dim has no local form."""
     dims, keepdim = reduced_dims(call)
-    return [Sig((Split(d),), (Split(d if keepdim else d - sum(1 for r in dims if r < d)),))
+    nout = len(call.outs)
+    return [Sig((Split(d),), (Split(d if keepdim else d - sum(1 for r in dims if r < d)),) * nout)
             for d in range(call.ins[0].ndim) if d not in dims]
 
 
@@ -140,22 +143,42 @@ def _moment_local(call: Call, ins, outs):
 
     def run(x, *args, **kwargs):
         if x.numel() == 0 and any(x.shape[d] == 0 for d in range(x.ndim) if d not in dims):
-            return aten.sum.dim_IntList(x, list(dims), keepdim)
+            empty = aten.sum.dim_IntList(x, list(dims), keepdim)
+            return empty if func in (aten.var.correction, aten.std.correction) else (empty, empty.clone())
         return func(x, *args, **kwargs)
 
     return run
 
 
+def _var_mean_decomposition(x, dim=None, *, correction=None, keepdim=False):
+    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else dim
+    return (_var_decomposition(x, dim, correction=correction, keepdim=keepdim),
+            aten.mean.dim(x, dims, keepdim))
+
+
+def _std_mean_decomposition(x, dim=None, *, correction=None, keepdim=False):
+    var, mean = _var_mean_decomposition(x, dim, correction=correction, keepdim=keepdim)
+    return aten.sqrt.default(var), mean
+
+
 _MOMENT = {"decompose": _split_reduced, "local": _moment_local, "name": "var"}
-register(aten.var.correction, Rule(_moment, decomposition=_var_decomposition, **_MOMENT))
-register(aten.std.correction, Rule(_moment, decomposition=_std_decomposition, **_MOMENT))
+register(aten.var.correction, Rule(_kept_splits, decomposition=_var_decomposition, **_MOMENT))
+register(aten.std.correction, Rule(_kept_splits, decomposition=_std_decomposition, **_MOMENT))
+register(aten.var_mean.correction, Rule(_kept_splits, decomposition=_var_mean_decomposition, **_MOMENT))
+register(aten.std_mean.correction, Rule(_kept_splits, decomposition=_std_mean_decomposition, **_MOMENT))
+register(aten.prod.dim_int, Rule(_kept_splits, name="prod"))
 
 
-def _cumsum(call: Call) -> list[Sig]:
+def _scan(call: Call) -> list[Sig]:
+    """Local on the other dims; cumsum is linear (Partial(sum) stays Partial)."""
     x = call.ins[0]
     dim = call.arg(1, "dim") % max(x.ndim, 1)
-    p = Partial("sum")
-    return [*(Sig((Split(d),), (Split(d),)) for d in range(x.ndim) if d != dim), Sig((p,), (p,))]
+    nout = len(call.outs)
+    sigs = [Sig((Split(d),), (Split(d),) * nout) for d in range(x.ndim) if d != dim]
+    if call.func is aten.cumsum.default:
+        sigs.append(Sig((Partial("sum"),), (Partial("sum"),)))
+    return sigs
 
 
-register(aten.cumsum.default, Rule(_cumsum, name="cumsum"))
+register([aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default, aten.cummax.default,
+          aten.cummin.default], Rule(_scan, name="scan"))

@@ -118,7 +118,25 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
         S_(r(1, 3), [0]),  # one element: nan, as torch
     ],
     aten.std.correction: lambda: [S_(r(5, 7), [0]), S_(r(3, 5, 2), [-1], correction=2, keepdim=True)],
+    aten.var_mean.correction: lambda: [S_(r(5, 7), [1]), S_(r(3, 5, 2), [0, 2], correction=0, keepdim=True)],
+    aten.std_mean.correction: lambda: [S_(r(5, 7), [0]), S_(r(5, 7))],
+    aten.prod.dim_int: lambda: [S_(r(5, 7), 1), S_(r(3, 5, 2), 0, True)],
+    aten.as_strided.default: lambda: [
+        S_(r(5, 7), [5, 3], [7, 2], 1),
+        S_(r(4, 6), [4], [7]),
+        S_(r(3, 4, 5), [3, 2, 2], [20, 5, 1], 6),
+    ],
+    aten.diagonal.default: lambda: [S_(r(5, 7)), S_(r(5, 7), 1), S_(r(3, 5, 4), -1, 1, 2), S_(r(4, 3, 5), 0, 2, 0)],
+    aten.diagonal_backward.default: lambda: [
+        S_(aten.diagonal.default(r(3, 5, 4), -1, 1, 2).clone(), [3, 5, 4], -1, 1, 2),
+        S_(aten.diagonal.default(r(4, 3, 5), 1, 2, 0).clone(), [4, 3, 5], 1, 2, 0),
+        S_(r(5), [5, 7], 0, 0, 1),
+    ],
     aten.cumsum.default: lambda: [S_(r(5, 7), 1), S_(r(5, 7), 0), S_(r(3, 5, 2), -1, dtype=torch.float64)],
+    aten.cumprod.default: lambda: [S_(r(5, 7), 1), S_(r(3, 5, 2), 0)],
+    aten.logcumsumexp.default: lambda: [S_(r(5, 7), 0), S_(r(3, 5, 2), -1)],
+    aten.cummax.default: lambda: [S_(r(5, 7), 1), S_(r(3, 5, 2), 0)],
+    aten.cummin.default: lambda: [S_(r(5, 7), 0)],
     aten.constant_pad_nd.default: lambda: [
         S_(r(5, 7), [1, 2]),
         S_(r(3, 5, 4), [0, 0, 2, 1], 1.5),

@@ -1,5 +1,5 @@
 """View and shape ops: view/reshape, permute/transpose/t, (un)squeeze, expand, slice, select,
-cat, stack, split, unbind and their backward ops, flip, constant padding; the in-place views
+cat, stack, split, unbind, diagonal and their backward ops, flip, constant padding; the in-place views
 (transpose_, t_, (un)squeeze_).
 
 A split dim keeps its split where the op moves it (its output dim is computed per op); dims the op
@@ -243,7 +243,50 @@ def _pad(call: Call) -> list[Sig]:
     return _moves(call, lambda d: None if d in padded else d, partial=False)
 
 
+def _off_diagonal(ndim: int, dim1: int, dim2: int) -> list[int]:
+    """The dims diagonal keeps, in the order they come out (the diagonal itself goes last)."""
+    pair = (_norm(dim1, ndim), _norm(dim2, ndim))
+    return [d for d in range(ndim) if d not in pair]
+
+
+def _diagonal(call: Call) -> list[Sig]:
+    rest = _off_diagonal(call.ins[0].ndim, call.arg(2, "dim1", 0), call.arg(3, "dim2", 1))
+    return _moves(call, lambda d: rest.index(d) if d in rest else None)
+
+
+def _diagonal_backward(call: Call) -> list[Sig]:
+    rest = _off_diagonal(call.outs[0].ndim, call.arg(3, "dim1"), call.arg(4, "dim2"))
+    return _moves(call, lambda d: rest[d] if d < len(rest) else None, partial=False) + [
+        Sig((Partial("sum"),), (Partial("sum"),))]
+
+
+def _as_strided_local(call: Call, ins, outs):
+    """as_strided addresses storage under the input's own strides (a GlobalTensor's storage offset is
+    0). A full copy laid out under those strides (Broadcast memory, e.g. the buffer autograd's
+    as_strided backward writes through) is viewed directly, aliasing it as in torch; any other copy
+    is first laid out under them in a buffer (NaN where the input has no element), which the result
+    views: then it does not alias the input."""
+    strides = call.ins[0].stride()
+
+    def run(full, size, stride, storage_offset=None):
+        offset = storage_offset or 0
+        if full.stride() == strides or full.numel() <= 1:
+            return full.as_strided(size, stride, full.storage_offset() + offset)
+        extent = 1 + sum((n - 1) * st for n, st in zip(full.shape, strides) if n > 0)
+        need = 1 + offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
+        fill = float("nan") if full.is_floating_point() or full.is_complex() else 0
+        buf = full.new_full((max(extent, need),), fill)
+        buf.as_strided(full.shape, strides).copy_(full)
+        return buf.as_strided(size, stride, offset)
+
+    return run
+
+
 register(aten.slice.Tensor, Rule(_slice, name="slice"))
+# replicated: only the all-Broadcast signature, run as above
+register(aten.as_strided.default, Rule(local=_as_strided_local, name="as_strided"))
+register(aten.diagonal.default, Rule(_diagonal, name="diagonal"))
+register(aten.diagonal_backward.default, Rule(_diagonal_backward, size_arg=1, name="diagonal_backward"))
 register(aten.flip.default, Rule(_flip, name="flip"))
 register(aten.constant_pad_nd.default, Rule(_pad, name="pad"))
 register(aten.select.int, Rule(_select, name="select"))
