@@ -639,3 +639,41 @@ def test_a_failed_run_returns_only_when_none_of_its_tasks_is_running():
         with pytest.raises(RuntimeError, match="IndexError"):
             f(*args)
         assert f._last[2]._running == 0
+
+
+def test_an_lstm_step_gives_the_eager_numbers():
+    """torch's CPU LSTM layer (oneDNN) under data parallelism: its backward reruns the shard's
+    forward for the workspace, in the graph as in eager."""
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(6, 8, num_layers=2, batch_first=True)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.head(self.lstm(x)[0]).sum(1), y)
+
+    def lstm_step(model, opt, x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def build_tagger():
+        torch.manual_seed(0)
+        m = shoal.distribute_module(Tagger(), mesh_for("dp"), None)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    (a, oa), (b, ob) = build_tagger(), build_tagger()
+    compiled = shoal.compile(lstm_step)
+    gen = torch.Generator().manual_seed(0)
+    mesh = mesh_for("dp")
+    for _ in range(3):
+        x = shoal.to_global(torch.randn(5, 7, 6, generator=gen), mesh, shoal.S(0))
+        y = shoal.to_global(torch.randint(0, 3, (5,), generator=gen), mesh, shoal.S(0))
+        assert compiled(b, ob, x, y).item() == pytest.approx(lstm_step(a, oa, x, y).item(), rel=1e-5)
+    assert any("mkldnn_rnn_layer_backward" in str(op.fn) for op in compiled.graph.ops)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)

@@ -249,6 +249,32 @@ def test_group_norm(meshes, shape):
     check(group_norm, [r(5, 6, 3), r(6), r(6)], meshes[shape], max_combos=16, rtol=1e-4)
 
 
+# -- recurrent ----------------------------------------------------------------------------------
+
+
+def _lstm_fn(mod):
+    names = [n for n, _ in mod.named_parameters()]
+
+    def lstm(x, h0, c0, *params):
+        out, (h, c) = torch.func.functional_call(mod, dict(zip(names, params)), (x, (h0, c0)))
+        return out, h, c
+
+    return lstm
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+def test_lstm(meshes, shape):
+    """torch's CPU LSTM runs oneDNN's layer op: a batch split runs it on each shard (the backward
+    rebuilds the shard's workspace); other layouts are boxed. Outputs, states and every gradient."""
+    torch.manual_seed(0)
+    mod = nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+    inputs = [r(5, 6, 3), r(4, 5, 4), r(4, 5, 4), *(p.detach() for p in mod.parameters())]
+    mesh = meshes[shape]
+    split = [nd(mesh, S(0)), nd(mesh, S(1)), nd(mesh, S(1))] + [nd(mesh, B)] * (len(inputs) - 3)
+    check(_lstm_fn(mod), inputs, mesh, in_layouts=split, rtol=1e-4, atol=1e-5)
+    check(_lstm_fn(mod), inputs, mesh, max_combos=4, rtol=1e-4, atol=1e-5)
+
+
 # -- coverage ---------------------------------------------------------------------------------
 
 
@@ -280,6 +306,8 @@ def test_no_fallback_for_nn_functions(meshes):
         losses.append(F.batch_norm(g(r(5, 3), S(1), S(1)), None, None, training=True).sum())
         losses.append(F.group_norm(g(r(5, 4, 3), S(0), S(0)), 2, g(r(4), B, B), g(r(4), B, B)).sum())
         losses.append(F.group_norm(g(r(5, 4, 3), S(0), S(2)), 4).sum())
+        lstm = _globalize_module(nn.LSTM(4, 3, batch_first=True), mesh, (B, B), (B, B))
+        losses.append(lstm(g(r(5, 2, 4), S(0), S(0)))[0].sum())
         sum(losses).backward()
     cov = shoal.coverage()
     assert not cov.by_fallback, str(cov)

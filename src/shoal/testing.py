@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -69,6 +70,28 @@ def layouts(ndim: int, mesh: Mesh, partial: Sequence[str] = ("sum",)) -> list[Nd
     """Every nd-SBP for a tensor of ``ndim`` dims: B, S(d) for each dim, and the given Partials."""
     one = [Broadcast(), *(Split(d) for d in range(ndim)), *(Partial(o) for o in partial)]
     return list(itertools.product(one, repeat=mesh.ndim))
+
+
+def combinations(per_input: Sequence[Sequence], limit: int | None, seed: int = 0) -> list[tuple]:
+    """Every choice of one layout per input (``itertools.product`` order), or ``limit`` distinct
+    ones drawn with ``seed``: the same draw as sampling the listed product, without listing it
+    (with many inputs it does not fit in memory)."""
+    total = math.prod(len(c) for c in per_input)
+    if limit is None or total <= limit:
+        return list(itertools.product(*per_input))
+    rng = random.Random(seed)
+    if total <= sys.maxsize:
+        picks = rng.sample(range(total), limit)
+    else:  # sample() cannot index a range this long; repeats are all but impossible
+        picks = list(dict.fromkeys(rng.randrange(total) for _ in range(limit)))
+    out = []
+    for i in picks:
+        combo = []
+        for choices in reversed(per_input):  # the last input varies fastest
+            i, k = divmod(i, len(choices))
+            combo.append(choices[k])
+        out.append(tuple(reversed(combo)))
+    return out
 
 
 def assert_same_value(got, ref, what: str = "", rtol: float = 1e-5, atol: float = 1e-5) -> None:
@@ -148,9 +171,7 @@ def check(
     if grad and ref_outs:
         ref_grads = torch.autograd.grad(ref_outs, [p for p, d in zip(plain, diff) if d], cots, allow_unused=True)
     per_input = in_layouts or [layouts(t.ndim, mesh, partial if t.dtype != torch.bool else ()) for t in inputs]
-    combos = list(itertools.product(*per_input))
-    if max_combos is not None and len(combos) > max_combos:
-        combos = random.Random(seed).sample(combos, max_combos)
+    combos = combinations(per_input, max_combos, seed)
     for combo in combos:
         what = f"{getattr(fn, '__name__', 'fn')} on {mesh.shape} with inputs " + ", ".join(map(sbp_str, combo))
         gins = [

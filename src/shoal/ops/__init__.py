@@ -12,6 +12,7 @@ from . import (
     normalization,
     pointwise,
     random,
+    recurrent,
     reduction,
     softmax,
     view,
@@ -34,6 +35,7 @@ FAMILIES = (
     loss,
     embedding,
     indexing,
+    recurrent,
 )
 
 __all__ = ["Call", "Rule", "Sig", "lookup", "register", "registered_ops", "FAMILIES"]
