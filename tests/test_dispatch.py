@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shoal
 from shoal import B, P, S
@@ -24,27 +25,27 @@ def test_decisions_are_cached(meshes):
 def test_fallback_is_correct_warns_once_and_is_listed(meshes):
     mesh = meshes[(2, 2)]
     aten = torch.ops.aten
-    op = aten._cdist_forward.default  # torch.cdist on small inputs; its backward is _cdist_backward
+    op = aten._embedding_bag.default  # F.embedding_bag; its backward is _embedding_bag_backward
     assert shoal.ops.lookup(op) is None and op not in D.decomposition_table
-    v, w = torch.randn(5, 3), torch.randn(4, 3)
+    v, rows, offsets = torch.randn(9, 3), torch.tensor([1, 4, 4, 8, 0, 2]), torch.tensor([0, 2, 5])
     shoal.coverage(reset=True)
     x = make_global(v, mesh, [S(0), P], requires_grad=True)
-    with pytest.warns(UserWarning, match="no SBP rule for aten._cdist_forward.default"):
-        y = torch.cdist(x, w)
+    with pytest.warns(UserWarning, match="no SBP rule for aten._embedding_bag.default"):
+        y = F.embedding_bag(rows, x, offsets)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
-        y2 = torch.cdist(x * 2, w)
-    assert_same_value(y, torch.cdist(v, w))
-    assert_same_value(y2, torch.cdist(v * 2, w))
+        y2 = F.embedding_bag(rows, x * 2, offsets, mode="sum")
+    assert_same_value(y, F.embedding_bag(rows, v, offsets))
+    assert_same_value(y2, F.embedding_bag(rows, v * 2, offsets, mode="sum"))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # _cdist_backward falls back too
-        (y * torch.arange(4.0)).sum().backward()
+        warnings.simplefilter("ignore")  # the backward falls back too
+        (y * torch.arange(3.0)).sum().backward()
     vv = v.clone().requires_grad_()
-    (torch.cdist(vv, w) * torch.arange(4.0)).sum().backward()
+    (F.embedding_bag(rows, vv, offsets) * torch.arange(3.0)).sum().backward()
     assert_same_value(x.grad, vv.grad)
     cov = shoal.coverage()
     assert cov.by_fallback[op] >= 2
-    assert "_cdist_forward" in repr(cov)
+    assert "_embedding_bag" in repr(cov)
 
 
 def test_decomposed_ops_are_listed(meshes):

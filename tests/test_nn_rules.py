@@ -275,6 +275,17 @@ def test_lstm(meshes, shape):
     check(_lstm_fn(mod), inputs, mesh, max_combos=4, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", MESHES, ids=str)
+@pytest.mark.parametrize("p", [1.0, 2.0, float("inf")])
+def test_cdist(meshes, shape, p):
+    """Rows of either operand or a batch dim split; distances and both gradients."""
+
+    def cdist(x1, x2):
+        return torch.cdist(x1, x2, p)
+
+    check(cdist, [r(2, 5, 3), r(2, 7, 3)], meshes[shape], max_combos=24, rtol=1e-4)
+
+
 # -- coverage ---------------------------------------------------------------------------------
 
 
@@ -308,6 +319,7 @@ def test_no_fallback_for_nn_functions(meshes):
         losses.append(F.group_norm(g(r(5, 4, 3), S(0), S(2)), 4).sum())
         lstm = _globalize_module(nn.LSTM(4, 3, batch_first=True), mesh, (B, B), (B, B))
         losses.append(lstm(g(r(5, 2, 4), S(0), S(0)))[0].sum())
+        losses.append(torch.cdist(g(r(5, 3), S(0), B), g(r(4, 3), B, S(0))).sum())
         sum(losses).backward()
     cov = shoal.coverage()
     assert not cov.by_fallback, str(cov)

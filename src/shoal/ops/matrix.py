@@ -1,7 +1,10 @@
-"""Matrix products: mm, bmm, addmm, mv, dot (matmul and linear decompose into these).
+"""Matrix products: mm, bmm, addmm, mv, dot (matmul and linear decompose into these); pairwise
+distances (cdist) and their backward.
 
 Row split of the left operand or column split of the right one stays split; a split contracted
-dim gives Partial; Partial passes through either operand while the other is Broadcast.
+dim gives Partial; Partial passes through either operand while the other is Broadcast. A distance
+is no sum of per-feature pieces (p-norms), so cdist splits rows of either operand or batch dims
+only; the backward's gradient for x1 sums over x2's rows (Partial when those are split).
 """
 
 from __future__ import annotations
@@ -63,3 +66,32 @@ register(aten.bmm.default, Rule(_bmm, name="bmm"))
 register(aten.addmm.default, Rule(_addmm, name="addmm"))
 register(aten.mv.default, Rule(_mv, name="mv"))
 register(aten.dot.default, Rule(_dot, name="dot"))
+
+
+# _cdist_forward(x1 (*batch, P, M), x2 (*batch, R, M), p, compute_mode) -> (*batch, P, R): the kernel
+# picks its method (matmul-based or direct) from P and R, which shards only make smaller; torch.cdist
+# takes the matmul route above this op when the global sizes call for it.
+
+
+def _batch_splits(x1, x2, nin: int) -> list[Sig]:
+    """Batch dims that both operands have, unbroadcast: every input split alike."""
+    if x2.ndim != x1.ndim or x1.shape[:-2] != x2.shape[:-2]:
+        return []
+    return [Sig((Split(d),) * nin, (Split(d),)) for d in range(x1.ndim - 2)]
+
+
+def _cdist(call: Call) -> list[Sig]:
+    x1, x2 = call.ins
+    rows = Split(x1.ndim - 2)
+    return [Sig((rows, _B), (rows,)), Sig((_B, rows), (Split(x1.ndim - 1),)), *_batch_splits(x1, x2, 2)]
+
+
+def _cdist_backward(call: Call) -> list[Sig]:
+    """(grad, x1, x2, p, cdist) -> grad_x1."""
+    _, x1, x2, _ = call.ins
+    rows, cols = Split(x1.ndim - 2), Split(x1.ndim - 1)
+    return [Sig((rows, rows, _B, rows), (rows,)), Sig((cols, _B, rows, cols), (_P,)), *_batch_splits(x1, x2, 4)]
+
+
+register(aten._cdist_forward.default, Rule(_cdist, name="cdist"))
+register(aten._cdist_backward.default, Rule(_cdist_backward, name="cdist_backward"))

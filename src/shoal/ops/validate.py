@@ -46,6 +46,12 @@ def S_(*args, values: bool = True, opaque: tuple[int, ...] = (), **kwargs) -> Sa
     return Sample(args, kwargs, values, opaque)
 
 
+def _cdist_backward_sample(s1, s2, p) -> Sample:
+    x1, x2 = r(*s1), r(*s2)
+    dist = aten._cdist_forward.default(x1, x2, p, None)
+    return S_(r(*dist.shape), x1, x2, p, dist)
+
+
 # Each op gets samples with uneven sizes (5 and 7 over 2, 3 and 4 devices) and sizes smaller than the mesh.
 SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
     # pointwise
@@ -155,6 +161,15 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
     ],
     aten.mv.default: lambda: [S_(r(5, 7), r(7))],
     aten.dot.default: lambda: [S_(r(7), r(7))],
+    aten._cdist_forward.default: lambda: [
+        S_(r(5, 3), r(7, 3), 2.0, None),
+        S_(r(5, 3), r(4, 3), 1.0, None),
+        S_(r(2, 5, 3), r(2, 4, 3), float("inf"), 2),
+        S_(r(3, 5, 3), r(1, 4, 3), 3.0, None),
+    ],
+    aten._cdist_backward.default: lambda: [_cdist_backward_sample(*a) for a in (
+        ((5, 3), (7, 3), 2.0), ((5, 3), (4, 3), 1.0), ((3, 5, 3), (3, 4, 3), 3.0),
+        ((2, 5, 3), (2, 4, 3), float("inf")))],
     # views and shapes
     aten.view.default: lambda: [
         S_(r(6, 4), [24]),
