@@ -9,6 +9,7 @@ listed by ``coverage()``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections import Counter
@@ -240,6 +241,7 @@ def _wrapper_device() -> torch.device:
     return wd()
 
 
+@functools.cache  # asked on every run of a decomposed op
 def _decomposition(func):
     """torch's decomposition of ``func``: the op's own CompositeImplicitAutograd kernel (such ops
     reach dispatch from inside decompositions, below autograd), else its table entry. The kernel

@@ -123,8 +123,13 @@ def _split_reduced(call: Call, specs) -> bool:
     return dof > 0 and not x.is_complex() and any(s == Split(d) for s in specs[0].sbp for d in dims)
 
 
+def _dims(x, dim) -> list[int]:
+    """The dims a decomposition reduces: all for None or [], else ``dim`` normalized and sorted."""
+    return list(range(x.ndim)) if dim is None or len(dim) == 0 else sorted({d % max(x.ndim, 1) for d in dim})
+
+
 def _var_decomposition(x, dim=None, *, correction=None, keepdim=False):
-    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else sorted({d % max(x.ndim, 1) for d in dim})
+    dims = _dims(x, dim)
     n = math.prod(x.shape[d] for d in dims)
     dev = aten.sub.Tensor(x, aten.mean.dim(x, dims, True))
     squares = aten.sum.dim_IntList(aten.mul.Tensor(dev, dev), dims, keepdim)
@@ -140,20 +145,20 @@ def _moment_local(call: Call, ins, outs):
     which would warn that it has no degrees of freedom."""
     func = call.func
     dims, keepdim = reduced_dims(call)
+    with_mean = len(call.outs) == 2  # var_mean, std_mean
 
     def run(x, *args, **kwargs):
         if x.numel() == 0 and any(x.shape[d] == 0 for d in range(x.ndim) if d not in dims):
             empty = aten.sum.dim_IntList(x, list(dims), keepdim)
-            return empty if func in (aten.var.correction, aten.std.correction) else (empty, empty.clone())
+            return (empty, empty.clone()) if with_mean else empty
         return func(x, *args, **kwargs)
 
     return run
 
 
 def _var_mean_decomposition(x, dim=None, *, correction=None, keepdim=False):
-    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else dim
     return (_var_decomposition(x, dim, correction=correction, keepdim=keepdim),
-            aten.mean.dim(x, dims, keepdim))
+            aten.mean.dim(x, _dims(x, dim), keepdim))
 
 
 def _std_mean_decomposition(x, dim=None, *, correction=None, keepdim=False):
