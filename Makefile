@@ -10,12 +10,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-ops test-programs lint bench
 demo: $(STAMP)
 	$(PY) -m shoal.demo
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# every OpInfo sample of torch's op database, more seeds (tests/test_opinfo.py; make test runs one sample per op);
+# -s shows the summary of what was covered
+test-ops: $(STAMP)
+	SHOAL_OPINFO=full $(PY) -m pytest tests/test_opinfo.py -s
+
+# random programs (tests/test_programs.py) with a larger budget than the default run's
+test-programs: $(STAMP)
+	SHOAL_PROGRAMS=$${SHOAL_PROGRAMS:-2000} $(PY) -m pytest tests/test_programs.py
 
 lint: $(STAMP)
 	.venv/bin/ruff check src tests bench examples

@@ -10,6 +10,7 @@ differently, hence a small absolute floor as in test_models.
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -152,6 +153,57 @@ def test_an_error_while_tracing_keeps_its_type_and_names_the_line():
         shoal.compile(step)(lin, shoal.to_global(torch.randn(2, 4), mesh, shoal.S(0)))
     note = "\n".join(err.value.__notes__)
     assert "while tracing" in note and "@ torch.ones(2, 2)" in note, note
+
+
+def test_an_error_in_shoals_own_model_names_its_line():
+    """``shoal train`` runs shoal's step on shoal's models: no frame of the user's is on the stack,
+    so the error names the model's line."""
+    model, opt = build("gpt", "tp")
+    x, y = batches("gpt")[0]
+    with pytest.raises(ValueError, match="batch_size") as err:
+        shoal.compile(step)(model, opt, x, y[:, :-1])  # targets one position short
+    note = "\n".join(err.value.__notes__)
+    assert re.search(r"models/gpt.py:\d+: +return logits, F.cross_entropy", note), note
+
+
+@pytest.mark.parametrize("sbp", [shoal.B, shoal.S(0), shoal.S(1)])
+def test_inputs_strided_otherwise_than_contiguous_compile_as_eager(sbp):
+    """Batches are often slices of wider windows (``w[:, :-1]``, as CharData makes them): plain
+    tensors whose strides are not contiguous, laid out inside the step (as a plan's input hook
+    does), GlobalTensors sliced so, or made from such pieces. The compiled step gives eager's
+    values, for every layout."""
+    mesh = shoal.Mesh([0, 1])
+    spec = shoal.to_global(torch.zeros(6, 12), mesh, sbp).spec
+
+    def f(x, w):
+        if not isinstance(x, shoal.GlobalTensor):
+            x = shoal.to_global(x, mesh, sbp)
+        return (x.reshape(-1) * 2).view(-1, 3) @ w
+
+    w = shoal.to_global(torch.randn(3, 2), mesh, shoal.B)
+    compiled = shoal.compile(f)
+    for _ in range(2):  # traced on the first, run on the second
+        wide = torch.randn(6, 13)
+        pieces = {d: wide[:, :-1][spec.local_region(p)] for p, d in enumerate(mesh.devices)}
+        for x in (wide[:, :-1], wide[:, 1:], wide[:, :12].t(), shoal.to_global(wide, mesh, sbp)[:, :-1],
+                  shoal.from_local(pieces, mesh, sbp)):
+            assert_same_value(compiled(x, w), f(x, w).full())
+    assert compiled.traces == 4  # w[:, 1:] is strided as w[:, :-1]: the same graph reads it at its offset
+
+
+def test_arguments_whose_shards_are_strided_otherwise_retrace():
+    """Two GlobalTensors of one layout and strides can hold shards strided differently (a split's
+    shards sliced out of the whole, or made contiguous): inductor's kernels assume the strides they
+    were compiled for, so such an argument is traced anew."""
+    mesh = shoal.Mesh([0, 1])
+    a = torch.arange(12.0).reshape(3, 4)
+    sliced = shoal.to_global(a, mesh, shoal.S(1))
+    own = shoal.from_local({0: a[:, :2].clone(), 1: a[:, 2:].clone()}, mesh, shoal.S(1))
+    assert sliced.stride() == own.stride() and sliced._shards[0].stride() != own._shards[0].stride()
+    f = shoal.compile(lambda x: x * 2 + 1, backend="inductor")
+    for x in (sliced, own):
+        assert_same_value(f(x), a * 2 + 1)
+    assert f.traces == 2
 
 
 def test_guards_retrace_on_new_shapes_layouts_and_meshes():
@@ -494,14 +546,25 @@ def test_learning_rate_schedule_does_not_retrace():
         assert_same_value(p.detach(), q.detach().full(), rtol=1e-5, atol=5e-6)
 
 
-def test_shoal_train_compile_gives_the_eager_losses(tmp_path):
+@pytest.mark.parametrize("plan, mesh", [("dp,tp", (2, 2)), ("tp", (4,))])
+def test_shoal_train_compile_gives_the_eager_losses(plan, mesh):
+    """The batches are slices of wider windows; under tp they are laid out Broadcast."""
     from shoal.train import TrainConfig, train
 
-    cfg = TrainConfig(model="gpt", plan="dp,tp", mesh=(2, 2), steps=4, batch=4, sample=0, save=False, progress=False,
+    cfg = TrainConfig(model="gpt", plan=plan, mesh=mesh, steps=4, batch=4, sample=0, save=False, progress=False,
                       verbose=False, model_args={"n_layer": 1, "n_embd": 32, "block_size": 16})
     eager = train(cfg)
     compiled = train(dataclasses.replace(cfg, compile=True))
     torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=1e-6)
+
+
+def test_shoal_train_compile_tp_command_runs(tmp_path, capsys):
+    from shoal.cli import main
+
+    small = ["--set", "n_layer=1", "--set", "n_embd=32", "--set", "block_size=16", "--batch", "4", "--sample", "0"]
+    assert main(["train", "gpt", "--compile", "--plan", "tp", "--steps", "2", "--no-progress", "--out",
+                 str(tmp_path), *small]) == 0
+    assert "each step a compiled graph" in capsys.readouterr().out and (tmp_path / "losses.json").exists()
 
 
 def test_dropout_draws_the_eager_masks():

@@ -1,6 +1,7 @@
 """Multi-process runs under `shoal run` (torchrun, gloo): the same results as one process."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -49,11 +50,34 @@ def test_a_killed_rank_stops_the_others_and_is_named():
 
 @pytest.mark.multiprocess
 def test_debug_mode_reports_diverging_processes(monkeypatch):
+    """SHOAL_DEBUG=1 catches values that differ between the ranks where they must not: a plain tensor
+    meeting an op, a plain tensor made global (to_global), pieces along Broadcast axes (from_local)."""
     monkeypatch.setenv("SHOAL_DEBUG", "1")
-    code, out, elapsed = shoal_run(2, 1, "debug_worker.py", timeout=120)
-    assert code != 0 and "NOT DETECTED" not in out
-    assert "the processes diverged at op" in out and "plain" in out, out[-3000:]
+    code, out, elapsed = shoal_run(2, 2, "debug_worker.py", timeout=120)
+    assert code == 0 and "NOT DETECTED" not in out, out[-3000:]
+    for r in range(2):
+        assert f"DEBUG OK rank {r}" in out, out[-3000:]
+        for what in ("op", "to_global", "from_local"):
+            assert f"CAUGHT {what} on rank {r}: shoal (SHOAL_DEBUG): the processes diverged at op #" in out, out[-3000:]
+    assert "(to_global of a plain tensor): the plain tensor is the global value" in out
+    assert "(from_local): devices [0, 2] of" in out and "(sbp [B, S(0)])" in out
+    assert "device 2 (rank 1): ('plain', (2, 3), 'torch.float32'," in out
     assert elapsed < 60
+
+
+@pytest.mark.multiprocess
+def test_readme_examples_run_under_shoal_run(tmp_path, monkeypatch):
+    """The Quickstart and the example of "Many processes", one device per process as under
+    ``torchrun --nproc-per-node 4``, with SHOAL_DEBUG=1: every rank draws the same values (seeded),
+    to_local() is a dict there too, and the global values are single-device torch's."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    code = [re.search(r"```python\n(.*?)```", text.split(f"## {s}\n", 1)[1], re.S)[1]
+            for s in ("Quickstart", "Many processes")]
+    (tmp_path / "readme.py").write_text("".join(code))
+    monkeypatch.setenv("SHOAL_DEBUG", "1")
+    code, out, _ = shoal_run(4, 1, str(tmp_path / "readme.py"))
+    assert code == 0, out[-4000:]
+    assert "False" not in out and out.count("True") == 4 * 2, out[-4000:]  # two per rank
 
 
 @pytest.mark.multiprocess

@@ -547,13 +547,18 @@ def test_to_local():
         x.to_local(5)
 
 
-def test_to_local_on_a_one_device_mesh_is_the_tensor():
+def test_to_local_is_a_dict_and_local_shard_the_one_shard():
+    """to_local() is {device: shard} however many devices the process owns (torchrun --nproc-per-node N
+    gives each one); local_shard() is the one shard of a process with one device of the mesh."""
     mesh = Mesh([2])
     t = torch.arange(6.0).reshape(2, 3)
     x = shoal.to_global(t, mesh, S(0))
-    local = x.to_local()
-    assert isinstance(local, torch.Tensor) and not isinstance(local, shoal.GlobalTensor)
+    assert list(x.to_local()) == [2]
+    local = x.local_shard()
+    assert local is x.to_local()[2] and not isinstance(local, shoal.GlobalTensor)
     torch.testing.assert_close(local, t)
+    with pytest.raises(ValueError, match=r"local_shard: process 0 owns 2 devices .* use to_local\(\)"):
+        shoal.to_global(t, Mesh([0, 1]), S(0)).local_shard()
     y = shoal.from_local({2: local}, mesh, S(1))
     assert y.shape == (2, 3)
     torch.testing.assert_close(y.full(), t)

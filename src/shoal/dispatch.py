@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch._decomp import decomposition_table
+from torch.utils._pytree import tree_flatten
 
-from . import boxing
+from . import aliasing, boxing, debug
 from .mesh import Mesh
 from .ops.registry import Call, Rule, expand, lookup
 from .sbp import Broadcast, sbp_str
@@ -53,6 +53,7 @@ class _Decision:
     local: object  # callable replacing func on shards, or None
     local_ctx: bool  # local takes a Shard context first (its position and the specs)
     kind: str  # "rule" | "value" (run once on Broadcast, by design) | "fallback" | "decompose" | "random"
+    # | "random_fallback" (a random op without a rule: drawn once on the whole values)
     run_once: bool  # every shard computes the same thing: compute once and share (CPU)
     tensor_args: tuple[int, ...]  # positions of the tensor args (calls without kwargs or tensor lists)
     calls: list  # [func, number of calls]: coverage counts live in the decisions (cheap to bump)
@@ -97,6 +98,7 @@ _COUNTER_OF = {
     "value": "by_rule",
     "random": "by_rule",
     "fallback": "by_fallback",
+    "random_fallback": "by_fallback",
     "decompose": "by_decomposition",
 }
 _DECISIONS: list = []  # every decision made, cached or not, for coverage()
@@ -160,8 +162,34 @@ def _fill_args(targs: tuple, values) -> tuple:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    if DEBUG and world().processes > 1:
-        _check_same_program(func, args, kwargs)
+    """Run ATen op ``func`` on GlobalTensors (and plain tensors, taken as Broadcast)."""
+    view, written = aliasing.effects(func)
+    if written:
+        _check_overlap(func, written, args, kwargs)
+        return _run(func, args, kwargs)
+    out = _run(func, args, kwargs)
+    if view:
+        aliasing.link(func, args, kwargs, out, _GT)
+    return out
+
+
+def _check_overlap(func, written, args, kwargs) -> None:
+    """Writes into a tensor whose group (views of one root) another input belongs to must not
+    partly overlap it (torch's rule); only tensors in a group are looked at."""
+    targets = []
+    for i, name in written:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if type(t) is _GT and (t._view is not None or t._members):
+                targets.append(t)
+    if targets:
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if type(t) is _GT]
+        aliasing.check_overlap(func, targets, inputs)
+
+
+def _run(func, args: tuple, kwargs: dict):
+    if debug.ENABLED and world().processes > 1:
+        debug.check_op(func, args, kwargs)
     # the cache key: the op, every static argument, and each tensor's spec and strides
     tensors: list = []
     key: list = [func]
@@ -227,12 +255,41 @@ def dispatch(func, args: tuple, kwargs: dict):
             return fn(*args, **kwargs)
         finally:
             _DECOMPOSING.discard(func)
-    if kind == "random":
-        return _random(func, dec, targs, tkwargs, tensors)
-    out = _execute(func, dec, targs, tkwargs, tensors)
+    if kind == "random" or kind == "random_fallback":
+        with _math_bits():
+            return _random(func, dec, targs, tkwargs, tensors)
+    with _math_bits():  # a fallback's kernel may be any of torch's, e.g. one viewing its operands conjugated
+        try:
+            out = _execute(func, dec, targs, tkwargs, tensors)
+        except Exception as e:
+            # a traced step runs the fallback on meta shards: an op without a meta kernel, or whose
+            # result needs its inputs' values (nonzero's shape, allclose's bool), stops the trace clearly
+            if kind == "fallback" and _tracing(tensors):
+                why = f"torch cannot run it on meta tensors, without values ({_first_line(e)})"
+                raise _untraceable(func, why) from e
+            raise
     if kind == "fallback" and func not in _FALLBACK_WARNED:  # after the run: a user error is not news
         _warn_fallback(func, tensors)
     return out
+
+
+# Inside __torch_dispatch__ torch excludes the dispatch keys above Python, the Conjugate and Negative
+# keys among them: a kernel that makes a conjugated or negated view of a shard internally (pinv's
+# ``mH``) would have the bit ignored by the ops it feeds. Shard kernels of the fallback run with
+# them (and ZeroTensor, for autograd's zero tensors) back, as one device runs them.
+_MATH_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative, torch._C.DispatchKey.ZeroTensor)
+
+
+@contextlib.contextmanager
+def _math_bits():
+    was = [k for k in _MATH_KEYS if torch._C._dispatch_tls_is_dispatch_key_excluded(k)]
+    for k in was:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+    try:
+        yield
+    finally:
+        for k in was:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, True)
 
 
 def _wrapper_device() -> torch.device:
@@ -252,6 +309,14 @@ def _decomposition(func):
     return decomposition_table.get(func)
 
 
+@functools.cache
+def _draws(func) -> bool:
+    """``func`` draws random numbers itself (torch tags it ``nondeterministic_seeded``). A
+    CompositeImplicitAutograd op does not: its parts draw, each through dispatch."""
+    return torch.Tag.nondeterministic_seeded in func.tags and not torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeImplicitAutograd")
+
+
 def _decomposition_agrees(func, targs, tkwargs, tensors) -> bool:
     """torch's decomposition may return outputs the real op does not (the CPU flash attention one
     returns the attention weights where the kernel returns the logsumexp its backward reads). Use a
@@ -261,8 +326,10 @@ def _decomposition_agrees(func, targs, tkwargs, tensors) -> bool:
     margs, mkwargs = _fill_args(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
     try:
         want = func(*margs, **mkwargs)
-    except Exception:  # noqa: BLE001 - no meta kernel: nothing to compare with
+    except NotImplementedError:  # no meta kernel: nothing to compare with
         return True
+    except Exception:  # noqa: BLE001 - the call is refused (a dtype torch does not take): the kernel must say so
+        return False
     try:
         _DECOMPOSING.add(func)
         got = _decomposition(func)(*margs, **mkwargs)
@@ -284,39 +351,6 @@ def _decomposition_agrees(func, targs, tkwargs, tensors) -> bool:
 def _retemplate(args: tuple) -> tuple[tuple, dict]:
     found: list = []
     return tuple(_template(a, found, []) for a in args), {}
-
-
-# SHOAL_DEBUG=1: every op first checks that all processes run the same op on the same layouts, and
-# that plain tensors taken as Broadcast hold the same values everywhere (one collective per op: slow)
-DEBUG = os.environ.get("SHOAL_DEBUG", "0") not in ("", "0")
-_OPS_SEEN = [0]
-
-
-def _check_same_program(func, args, kwargs) -> None:
-    import hashlib
-
-    import torch.distributed as dist
-
-    def describe(a):
-        if isinstance(a, _GT):
-            return ("global", tuple(a.shape), str(a.dtype), sbp_str(a._spec.sbp), a._spec.mesh.devices)
-        if isinstance(a, torch.Tensor):
-            digest = hashlib.sha1(a.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
-            return ("plain", tuple(a.shape), str(a.dtype), digest)
-        if isinstance(a, (list, tuple)):
-            return tuple(describe(e) for e in a)
-        return repr(a)
-
-    _OPS_SEEN[0] += 1
-    mine = (str(func), describe(tuple(args)), describe(tuple(kwargs.items())))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if any(e != every[0] for e in every):
-        lines = "\n".join(f"  rank {r}: {e}" for r, e in enumerate(every))
-        raise RuntimeError(
-            f"shoal (SHOAL_DEBUG): the processes diverged at op #{_OPS_SEEN[0]}: they must run the same ops on "
-            f"the same layouts, and plain tensors must hold the same values on every process:\n{lines}"
-        )
 
 
 def _plain_key(t: torch.Tensor) -> tuple:
@@ -454,6 +488,10 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
     if prep.call is None:
         if rule is not None and rule.kind == "value":
             return _other_decision(func, mesh, in_specs0, prep.mutated, "value")
+        if prep.mutated:
+            _check_shapes_kept(func, targs, tkwargs, tensors, prep.mutated)
+        if _draws(func):  # neither decomposed (other draws) nor run per device (one draw per device)
+            return _other_decision(func, mesh, in_specs0, prep.mutated, "random_fallback")
         if decomposable and _decomposition_agrees(func, targs, tkwargs, tensors):
             return _other_decision(func, mesh, in_specs0, prep.mutated, "decompose")
         return _other_decision(func, mesh, in_specs0, prep.mutated, "fallback")
@@ -501,6 +539,47 @@ def _decide(func, targs, tkwargs, tensors, mesh: Mesh) -> _Decision:
         device=_wrapper_device(),
         replicated=False,
     )
+
+
+def _tracing(tensors) -> bool:
+    """Graph mode's trace: GlobalTensors whose shards are meta tensors."""
+    for t in tensors:
+        if isinstance(t, _GT):
+            return any(s is not None and s.device.type == "meta" for s in t._shards)
+    return False
+
+
+def _untraceable(func, why: str) -> Exception:
+    from .graph.trace import TraceError, user_line
+
+    return TraceError(
+        f"shoal.compile: {func} cannot be traced: {why}, at\n  {user_line()}\nA compiled step runs on "
+        f"shapes alone while it is traced: run this op outside the compiled function (eagerly)."
+    )
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _check_shapes_kept(func, targs, tkwargs, tensors, mutated) -> None:
+    """A GlobalTensor's shape is fixed (its wrapper's sizes; in-place view ops have rules of their
+    own): an op that gives its input another shape (``resize_``, ``set_``) is refused, clearly."""
+    metas = [_meta(t) for t in tensors]
+    try:
+        func(*_fill_args(targs, metas), **{k: _fill(v, metas) for k, v in tkwargs.items()})
+    except Exception:  # noqa: BLE001 - no meta kernel: nothing known, the run will tell
+        return
+    for i in mutated:
+        t = tensors[i]
+        if isinstance(t, _GT) and tuple(metas[i].shape) != tuple(t.shape):
+            raise NotImplementedError(
+                f"shoal: {func} changes the shape of its input in place ({list(t.shape)} -> {list(metas[i].shape)}, "
+                f"laid out as {sbp_str(t._spec.sbp)}): a GlobalTensor's shape is fixed, except through in-place "
+                f"view ops (unsqueeze_, transpose_...). Make a new tensor instead: x.new_empty(shape), or "
+                f"x.reshape(shape) for as many elements."
+            )
 
 
 def _new_calls(func) -> list:
@@ -574,7 +653,7 @@ def _other_decision(func, mesh, in_specs0, mutated, kind: str) -> _Decision:
         positions=mesh.local_positions,
         single_out=False,
         device=_wrapper_device(),
-        replicated=kind in ("value", "fallback"),
+        replicated=kind in ("value", "fallback", "random_fallback"),
     )
 
 
@@ -595,6 +674,8 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
             shards = _plain_shards(t, mesh)
             rep = spec.with_sbp((_B,) * mesh.ndim)
             shards_in.append(shards if spec == rep else boxing.box(shards, rep, spec))
+    if dec.replicated:  # the op sees each whole value with the strides torch would give it (view checks them)
+        shards_in = [_with_strides(s, t.stride()) if type(t) is _GT else s for s, t in zip(shards_in, tensors)]
     once = dec.run_once and all(_same_everywhere(s, positions) for s in shards_in)
     fn = dec.local or func._op  # the C++ op itself: skips OpOverload.__call__
     results: list = [None] * mesh.size
@@ -625,16 +706,15 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
             results[p] = r0
     for q, p in same_as.items():
         results[q] = results[p]
-    # mutated inputs take the layout they were computed in
+    # a written tensor keeps its layout and memory (its views alias it): a result computed in another
+    # layout, or on a copy, is written back into its own shards; then its group is told
     for i in dec.mutated:
         t = tensors[i]
         if isinstance(t, _GT):
-            t._resolved = None
-            if t._shards is not shards_in[i] or t._spec != dec.in_specs[i]:
-                t._spec = dec.in_specs[i]
-                t._shards = shards_in[i]
+            aliasing.write_shards(t, shards_in[i], dec.in_specs[i])
+            aliasing.wrote(t)
     if dec.replicated:
-        return _wrap_replicated(results, positions, mesh, tensors, dec)
+        return _wrap_replicated(results, positions, mesh, tensors, dec, shards_in)
     if dec.single_out:  # one tensor out, not an input written in place
         return _GT._make(dec.out_specs[0], tuple(results), dec.out_strides[0], device=dec.device)
     if not positions:  # another process's devices: the outputs are known from the decision alone
@@ -662,29 +742,82 @@ def _execute(func, dec: _Decision, targs, tkwargs, tensors):
     return _fill(dec.out_template, wrapped)
 
 
+def _with_strides(shards: tuple, stride: tuple) -> tuple:
+    """Whole-value shards laid out under ``stride`` (a GlobalTensor's own) where they are not and
+    those strides address each element once."""
+    out, made = [], {}
+    for s in shards:
+        if s is None or s.stride() == stride or s.numel() <= 1:
+            out.append(s)
+            continue
+        if id(s) not in made:
+            dims = sorted((st, n) for n, st in zip(s.shape, stride) if n > 1)
+            reach = 0  # the furthest element the smaller strides reach: each stride must pass it
+            for st, n in dims:
+                if st <= reach:
+                    return shards
+                reach += (n - 1) * st
+            buf = s.new_empty((reach + 1,))
+            made[id(s)] = buf.as_strided(tuple(s.shape), stride).copy_(s)
+        out.append(made[id(s)])
+    return tuple(out)
+
+
 def _random(func, dec: _Decision, targs, tkwargs, tensors):
     """Draw the global value exactly as one device would (same op, same RNG calls, global shape),
     then keep each shard's part: with the same seed, results equal single-device torch."""
     from .tensor import GlobalTensor, _scatter_full
 
-    mesh = dec.mesh
+    if dec.replicated:
+        return _random_replicated(func, dec, targs, tkwargs, tensors)
     w = world()
     dev = w.torch_device(w.local_devices[0])
     full_in = [torch.empty(t.shape, dtype=t.dtype, device=dev) if isinstance(t, GlobalTensor) else t for t in tensors]
     out = func(*_fill_args(targs, full_in), **{k: _fill(v, full_in) for k, v in tkwargs.items()})
+    if debug.ENABLED and w.processes > 1:  # every process must draw the same numbers: seed alike
+        for d in [full_in[i] for i in dec.mutated] or [out]:
+            debug.check_same_value(str(func), d)
     for i in dec.mutated:
         t = tensors[i]
-        spec = dec.in_specs[i]
-        drawn = _scatter_full(full_in[i], spec)
-        if t._spec == spec:
-            for p in mesh.local_positions:  # write in place: views of t stay views (shared shards get it twice)
-                t._shards[p].copy_(drawn._shards[p])
-        else:
-            t._spec, t._shards = spec, drawn._shards
-        t._resolved = None
+        drawn = _scatter_full(full_in[i], t._spec)
+        aliasing.write_shards(t, drawn._shards, t._spec)
+        aliasing.wrote(t)
     if dec.mutated:
         return tensors[dec.mutated[0]]
     return _scatter_full(out, dec.out_specs[0])
+
+
+def _random_replicated(func, dec: _Decision, targs, tkwargs, tensors):
+    """A random op without a rule: run once, on its inputs' whole values (every process gathers
+    them and draws the same numbers), and lay the results out Broadcast. Running it per device
+    would draw once per device, and a decomposition may draw other numbers than the op does."""
+    from .tensor import GlobalTensor, _full_value, _scatter_full
+
+    if _tracing(tensors):
+        raise _untraceable(func, "it is a random op without a rule, drawn once on its inputs' gathered values")
+    rep = (_B,) * dec.mesh.ndim
+    full_in = [_full_value(t) if isinstance(t, GlobalTensor) else t for t in tensors]
+    out = func(*_fill_args(targs, full_in), **{k: _fill(v, full_in) for k, v in tkwargs.items()})
+    for i in dec.mutated:
+        t = tensors[i]
+        if isinstance(t, GlobalTensor):
+            aliasing.write_shards(t, _scatter_full(full_in[i], t._spec)._shards, t._spec)
+            aliasing.wrote(t)
+
+    def wrap(o):
+        if isinstance(o, torch.Tensor):
+            for i in dec.mutated:  # an in-place result: the written input itself
+                if o is full_in[i]:
+                    return tensors[i]
+            return _scatter_full(o, TensorSpec(tuple(o.shape), o.dtype, dec.mesh, rep))
+        if isinstance(o, (list, tuple)):
+            return type(o)(wrap(e) for e in o)
+        return o
+
+    res = wrap(out)
+    if func not in _FALLBACK_WARNED:
+        _warn_fallback(func, tensors)
+    return res
 
 
 def _collect(obj, out: list) -> None:
@@ -748,7 +881,7 @@ def _plain_shards(t: torch.Tensor, mesh: Mesh) -> tuple:
     return tuple(out)
 
 
-def _wrap_replicated(results, positions, mesh, tensors, dec):
+def _wrap_replicated(results, positions, mesh, tensors, dec, shards_in):
     """Outputs of a replicated run: tensors become Broadcast GlobalTensors."""
     from .tensor import GlobalTensor
 
@@ -763,7 +896,7 @@ def _wrap_replicated(results, positions, mesh, tensors, dec):
         if isinstance(obj, torch.Tensor):
             for i in dec.mutated:  # in-place result: the mutated input itself
                 t = tensors[i]
-                if isinstance(t, GlobalTensor) and t._shards[positions[0]] is obj:
+                if isinstance(t, GlobalTensor) and shards_in[i][positions[0]] is obj:
                     return t
             shards = [None] * mesh.size
             for p in positions:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import boxing, comm
+from . import boxing, comm, debug
 from . import dispatch as _dispatch
 from .dispatch import dispatch
 from .mesh import Mesh
@@ -40,6 +40,8 @@ class GlobalTensor(torch.Tensor):
         r._spec = spec
         r._shards = shards
         r._resolved = None
+        r._view = None  # aliasing.ViewOf when a view op made it
+        r._members = None  # the views whose root it is (aliasing), once it has any
         return r
 
     def __reduce_ex__(self, protocol):
@@ -137,7 +139,8 @@ class GlobalTensor(torch.Tensor):
         return _full_value(self)
 
     def to_local(self, device: int | None = None):
-        """The shard of ``device``; without it, this process's shard, or {device: shard} if it owns several."""
+        """{device id: shard} for this process's devices of the mesh (however many it owns); with
+        ``device``, that device's shard."""
         mesh = self.mesh
         if device is not None:
             if device not in mesh.devices:
@@ -145,10 +148,20 @@ class GlobalTensor(torch.Tensor):
             if not world().owns(device):
                 raise ValueError(f"to_local: device {device} belongs to another process")
             return self._shards[mesh.devices.index(device)]
+        return {mesh.devices[p]: self._shards[p] for p in mesh.local_positions}
+
+    def local_shard(self) -> torch.Tensor:
+        """The shard of this process's one device of the mesh (one device per process, as under
+        ``torchrun --nproc-per-node N``)."""
+        mesh = self.mesh
         pos = mesh.local_positions
-        if len(pos) == 1:
-            return self._shards[pos[0]]
-        return {mesh.devices[p]: self._shards[p] for p in pos}
+        if len(pos) != 1:
+            mine = [mesh.devices[p] for p in pos]
+            raise ValueError(
+                f"local_shard: process {world().rank} owns {len(mine)} devices of {mesh} ({mine}), not one; "
+                "use to_local() for {device: shard}, or to_local(device) for one device's shard"
+            )
+        return self._shards[pos[0]]
 
 
 _dispatch._GT = GlobalTensor
@@ -267,7 +280,9 @@ class _FromFull(torch.autograd.Function):
 def _scatter_full(t: torch.Tensor, spec: TensorSpec) -> GlobalTensor:
     """A GlobalTensor laid out as ``spec`` from a plain tensor holding the global value.
 
-    Every process must pass the same value. The value is copied once per torch device.
+    Every process must pass the same value. The value is copied once per torch device, into
+    contiguous memory (the GlobalTensor's strides are contiguous, ``t``'s need not be: a slice, a
+    transpose).
     """
     mesh = spec.mesh
     w = world()
@@ -276,7 +291,7 @@ def _scatter_full(t: torch.Tensor, spec: TensorSpec) -> GlobalTensor:
     for p in mesh.local_positions:
         dev = w.torch_device(mesh.devices[p])
         if dev not in copies:
-            copies[dev] = t.detach().to(dev, copy=True)
+            copies[dev] = t.detach().to(dev, memory_format=torch.contiguous_format, copy=True)
         shards[p] = copies[dev]
     rep = spec.with_sbp((Broadcast(),) * mesh.ndim)
     return GlobalTensor._make(spec, boxing.box(tuple(shards), rep, spec))
@@ -293,9 +308,14 @@ def to_global(
         return tensor.to_global(mesh, sbp)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"to_global: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"to_global: shoal lays out strided (dense) tensors only, got a {tensor.layout} tensor; "
+                        f"use tensor.to_dense() first")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"to_global: mesh must be a shoal.Mesh, got {type(mesh).__name__}")
     spec = TensorSpec(tuple(tensor.shape), tensor.dtype, mesh, normalize_sbp(sbp, mesh.ndim, tensor.ndim, "to_global"))
+    if debug.ENABLED and world().processes > 1:
+        debug.check_same_value("to_global", tensor)
     if tensor.requires_grad:
         out = _FromFull.apply(tensor, spec)
     else:
@@ -312,7 +332,10 @@ def from_local(
     shape: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
 ) -> GlobalTensor:
-    """A GlobalTensor from the shards of this process's devices ({device id: tensor}); no copies.
+    """A GlobalTensor from the shards of this process's devices ({device id: tensor}); no copies but
+    of a shard strided neither contiguously nor as its region of a contiguous global tensor (a slice
+    of something wider, a transpose): it is copied into contiguous memory, as the GlobalTensor's
+    strides are contiguous.
 
     ``shape`` is the global shape; without it, it is inferred from the shards (all devices must be
     local then). Shard shapes must match the balanced layout of that shape. A process that owns no
@@ -340,6 +363,7 @@ def from_local(
         shape = _infer_shape(shards, mesh, nd)
     spec = TensorSpec(tuple(shape), some.dtype if dtype is None else dtype, mesh, nd)
     out = [None] * mesh.size
+    region_strides = torch.empty(spec.shape, device="meta").stride()  # a region of the contiguous global tensor
     for p in mesh.local_positions:
         t = shards[mesh.devices[p]]
         if tuple(t.shape) != spec.local_shape(p) or t.dtype != spec.dtype:
@@ -348,7 +372,9 @@ def from_local(
                 f"global shape {list(shape)} with sbp {sbp_str(nd)} needs {list(spec.local_shape(p))} "
                 f"({spec.dtype}) there"
             )
-        out[p] = t
+        out[p] = t if t.is_contiguous() or t.stride() == region_strides else t.contiguous()
+    if debug.ENABLED and w.processes > 1:
+        debug.check_pieces("from_local", spec, tuple(out))
     return GlobalTensor._make(spec, tuple(out))
 
 

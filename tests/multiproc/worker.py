@@ -109,7 +109,10 @@ assert_same_value(xb, full_batch, "from_local_batch")
 # 6. local views need no communication and printing works on every rank
 with shoal.CommCounter() as cc:
     repr(x)
-    x.to_local()
+    local = x.to_local()  # {device: shard}, one device per process or several
+    assert list(local) == [d for d in x.mesh.devices if w.owns(d)], local
+    if len(local) == 1:
+        assert x.local_shard() is next(iter(local.values()))
 assert cc.total == 0
 print(f"OK rank {w.rank} of {w.processes} x {w.devices_per_process} devices", flush=True)
 sys.exit(0)

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from .. import aliasing
 from ..dispatch import _region
 from ..tensor import GlobalTensor
 from .capture import capture, function_key, globals_key, guard_key, leaves
@@ -164,6 +165,7 @@ def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -
     if changed:
         t._shards = tuple(shards)
         t._resolved = None
+        aliasing.replaced(t)
 
 
 def _bind_one(env: dict, v, o, plan: Plan) -> None:
@@ -222,6 +224,7 @@ def _write_state(g: Graph, static: dict, final: dict) -> None:
             if s.same or s.key is None:
                 t = s.get()
                 t._spec, t._shards, t._resolved = a.spec, _shards(a, final, static), None
+                aliasing.replaced(t)
             else:
                 s.set(GlobalTensor._make(a.spec, _shards(a, final, static), a.stride))
         else:

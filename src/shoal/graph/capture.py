@@ -153,9 +153,10 @@ def _labels(objs) -> dict:
 
 def guard_key(objs: list) -> tuple[tuple, list]:
     """What a captured graph depends on besides the values of its tensors, for the arguments'
-    leaves ``objs``: their shapes, dtypes, meshes and layouts, which modules and optimizers it was
-    given and where their state lives (the very objects: a graph reads and writes them), the state's
-    layouts, optimizer settings; and the places (as ``state_slots`` orders them, with their values).
+    leaves ``objs``: their shapes, dtypes, strides (an argument's shards' too), meshes and layouts,
+    which modules and optimizers it was given and where their state lives (the very objects: a graph
+    reads and writes them), the state's layouts, optimizer settings; and the places (as
+    ``state_slots`` orders them, with their values).
     (Called every step: kept cheap.)"""
     key: list = []
     add = key.append
@@ -164,6 +165,8 @@ def guard_key(objs: list) -> tuple[tuple, list]:
     for path, o in objs:
         if isinstance(o, torch.Tensor):
             add(_tensor_key(o))
+            if isinstance(o, GlobalTensor):  # and its shards' strides: the graph's ops on them were traced on these
+                add(tuple(None if s is None else s.stride() for s in o._shards))
         elif isinstance(o, (nn.Module, torch.optim.Optimizer)):
             add(id(o))
             _places(o, seen, places, key)

@@ -35,7 +35,8 @@ def _to_fx(t, g: Graph, dev) -> fx.GraphModule:
 
     for op in t.ops:
         if op.kind == "place":
-            node = graph.call_function(torch.ops.aten._to_copy.default, (env[op.args[0].id],), {"device": dev})
+            kw = {"device": dev, "memory_format": torch.contiguous_format} if op.fn else {"device": dev}
+            node = graph.call_function(torch.ops.aten._to_copy.default, (env[op.args[0].id],), kw)
             env[op.outs.id] = node
             continue
         node = graph.call_function(op.fn, arg(op.args), {k: arg(v) for k, v in op.kwargs.items()})
@@ -61,7 +62,7 @@ def _example(g: Graph, lid: int, dev):
     loc = g.locals[lid]
     if loc.dtype.is_floating_point:
         return torch.empty_strided(loc.shape, loc.stride, dtype=loc.dtype, device=dev).normal_()
-    return torch.zeros(loc.shape, dtype=loc.dtype, device=dev).as_strided(loc.shape, loc.stride)
+    return torch.empty_strided(loc.shape, loc.stride, dtype=loc.dtype, device=dev).zero_()
 
 
 def compile_segment(t, g: Graph):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..world import world
 from .ir import Graph, Op, Ref, local_ids
 from .trace import DEVICE
@@ -262,7 +264,7 @@ def _place(t, dev):
 
 
 def _place_copy(t, dev):
-    return t.to(dev, copy=True)
+    return t.to(dev, memory_format=torch.contiguous_format, copy=True)  # as eager's _scatter_full
 
 
 def _codegen(t: Task, g: Graph):

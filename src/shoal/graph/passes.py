@@ -132,7 +132,7 @@ _ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 def elide_aliases(g: Graph) -> int:
     """``detach`` of a shard, and a host tensor handed to a device of the same memory (CPU), are the
     tensor itself: later ops read it directly. A handed-over copy stays a copy where either side is
-    written later."""
+    written later, or where it is strided otherwise (a slice copied into contiguous memory)."""
     from ..world import world
 
     same_memory = world().device_type == "cpu"
@@ -144,6 +144,8 @@ def elide_aliases(g: Graph) -> int:
             return False
         if op.kind == "place" and same_memory:
             src, dst = op.reads[0], op.out_ids[0]
+            if g.locals[src].stride != g.locals[dst].stride:  # a copy into contiguous memory: later views need it
+                return True
             if not op.fn or (g.locals[src].base not in written and g.locals[dst].base not in written):
                 rename[dst] = src
                 return False

@@ -40,8 +40,10 @@ _COMM_FNS = ("all_gather", "all_reduce", "all_reduce_start", "reduce_scatter", "
 
 
 # frames between a reading library function and the tracer: not worth naming
-_PLUMBING = ("/shoal/graph/", "/shoal/dispatch.py", "/shoal/tensor.py", "/_python_dispatch.py", "/_ops.py", "/_dynamo/",
-             "/_compile.py")
+_PLUMBING = ("/shoal/graph/", "/shoal/dispatch.py", "/shoal/tensor.py", "/shoal/aliasing.py", "/_python_dispatch.py",
+             "/_ops.py", "/_dynamo/", "/_compile.py")
+# shoal's code written with shoal as a user's would be: named where no user's frame is on the stack
+_SHIPPED = tuple(_LIBRARY_DIRS[0] + p for p in ("models" + os.sep, "train.py", "demo.py"))
 
 
 class TraceError(RuntimeError):
@@ -67,17 +69,24 @@ def library_file(filename: str) -> bool:
 def user_line(frames=None) -> str:
     """The innermost frame of the user's code in ``frames`` (a ``traceback.StackSummary``; default:
     the current stack), as 'file:line: code', and the library function below it that did the
-    reading, if any."""
-    inner = None
+    reading, if any. Without a user's frame (``shoal train``): the innermost frame of code written
+    with shoal that ships as a library (shoal's models and training loop, an installed package)."""
+    inner = shipped = None
     for fr in reversed(traceback.extract_stack() if frames is None else frames):
         f = os.path.abspath(fr.filename)
         if library_file(f):
-            if inner is None and not any(s in f for s in _PLUMBING):
-                inner = fr
+            if not any(s in f for s in _PLUMBING):
+                inner = inner or fr
+                if shipped is None and (f.startswith(_SHIPPED) or not f.startswith(_LIBRARY_DIRS)):
+                    shipped = fr
             continue
-        via = f"\n  (in {inner.filename}:{inner.lineno} {inner.name})" if inner is not None else ""
-        return f"{fr.filename}:{fr.lineno}: {fr.line}{via}"
-    return "<unknown>"
+        return _where(fr, inner)
+    return "<unknown>" if shipped is None else _where(shipped, None if inner is shipped else inner)
+
+
+def _where(fr, inner) -> str:
+    via = f"\n  (in {inner.filename}:{inner.lineno} {inner.name})" if inner is not None else ""
+    return f"{fr.filename}:{fr.lineno}: {fr.line}{via}"
 
 
 class Tracer(TorchDispatchMode):
@@ -353,7 +362,8 @@ class Tracer(TorchDispatchMode):
         return fresh[0] if name == "transfer" else fresh
 
     def place(self, t: torch.Tensor, device: int, copy: bool) -> torch.Tensor:
-        """A host tensor handed to ``device`` (a copy per device when ``copy``)."""
+        """A host tensor handed to ``device`` (a copy per device when ``copy``), strided as eager's:
+        the copy contiguous (``_scatter_full``), else ``t`` itself or what ``t.to(device)`` gives."""
         lid = self.lid(t)
         if lid is None or self.g.locals[lid].device is not None:
             if lid is not None and self.g.locals[lid].device == device:
@@ -363,6 +373,12 @@ class Tracer(TorchDispatchMode):
                 f"was used again as a global value at\n  {user_line()}\nKeep the computation on GlobalTensors."
             )
         m = self._meta_like(t)
+        if copy or t.device != world().torch_device(device):
+            self._quiet += 1
+            try:
+                m = m.to(memory_format=torch.contiguous_format, copy=True) if copy else torch.empty_like(m)
+            finally:
+                self._quiet -= 1
         out = self.new_local(m, device)
         self._op(kind="place", fn=copy, args=(Ref(lid),), kwargs={}, outs=Ref(out), device=device, reads=(lid,),
                  out_ids=(out,))

@@ -2,10 +2,12 @@
 
 from . import (
     attention,
+    conjugate,
     convolution,
     embedding,
     factory,
     foreach,
+    host,
     indexing,
     loss,
     matrix,
@@ -22,9 +24,11 @@ from .registry import Call, Rule, Sig, lookup, register, registered_ops
 # each family module registers its rules on import; validator samples may live beside them
 FAMILIES = (
     attention,
+    conjugate,
     convolution,
     factory,
     foreach,
+    host,  # kernels for tensor arguments ATen reads above dispatch (no rules)
     matrix,
     pointwise,
     random,

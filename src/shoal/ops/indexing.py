@@ -40,7 +40,7 @@ def _gather(call: Call) -> list[Sig]:
     x, index = call.ins
     dim = _dim(call, 1)
     sigs = [Sig((Split(d), Split(d)), (Split(d),)) for d in _alike(dim, x, index)]
-    if index.ndim:
+    if dim < index.ndim:  # (an empty index may have any rank, even fewer dims than x)
         sigs.append(Sig((_B, Split(dim)), (Split(dim),)))  # rows of the index pick rows of the result
     return [*sigs, *(Sig((p, _B), (p,)) for p in _PARTIALS)]
 
@@ -166,6 +166,8 @@ SAMPLES = {
         ((_r(5, 7), 0, _i(5, 3, 7)), {}),
         ((_r(5, 7), 1, _i(7, 5, 7)), {}),
         ((_r(3, 5, 2), -1, _i(2, 3, 5, 3)), {}),
+        ((_r(3, 5, 2), 2, _i(2, 1, 0)), {}),  # an empty index of lower rank: torch takes it
+        ((_r(3, 0, 2), -1, _i(1, 0)), {}),
     ],
     aten.scatter.src: lambda: [
         ((_r(5, 7), 1, _i(7, 5, 3), _r(5, 3)), {}),

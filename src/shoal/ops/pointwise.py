@@ -125,12 +125,26 @@ def _fill_tensor(call: Call) -> list[Sig]:
 register(aten.fill_.Tensor, Rule(_fill_tensor, name="fill"))
 
 
+def _holds(dst: torch.dtype, src: torch.dtype) -> bool:
+    """Every ``src`` value is a ``dst`` value (no rounding, no overflow)."""
+    if dst == src:
+        return True
+    if not (src.is_floating_point and dst.is_floating_point):
+        return False
+    a, b = torch.finfo(src), torch.finfo(dst)
+    return b.eps <= a.eps and b.max >= a.max and b.tiny <= a.tiny
+
+
 def _to_copy(call: Call) -> list[Sig]:
+    """Rounding to another float dtype is monotone (Partial max/min pass), but rounds each piece of a
+    Partial(sum) on its own: only a cast that rounds nothing (same dtype, float32 -> float64) keeps it."""
     r = call.ins[0].ndim
     sigs = [Sig((Split(d),), (Split(d),)) for d in range(r)]
     src, dst = call.ins[0].dtype, call.outs[0].dtype
     if dst.is_floating_point and (src.is_floating_point or src == dst):
-        sigs += [Sig((_P,), (_P,)), Sig((_PMAX,), (_PMAX,)), Sig((_PMIN,), (_PMIN,))]
+        sigs += [Sig((_PMAX,), (_PMAX,)), Sig((_PMIN,), (_PMIN,))]
+    if _holds(dst, src) and (dst.is_floating_point or dst.is_complex):
+        sigs.append(Sig((_P,), (_P,)))
     return sigs
 
 

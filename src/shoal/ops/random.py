@@ -5,6 +5,11 @@ the same seed shoal's values equal single-device torch's on CPU, for every layou
 included). The price is generating the full tensor on each process; the memory is freed at once.
 ``native_dropout`` (the fused kernel CUDA uses) is drawn with ``bernoulli_`` instead: same
 distribution, not torch's CUDA values.
+
+A random op without a rule here (``multinomial``, ``normal`` with tensor arguments, ``bernoulli``
+with a tensor of probabilities, ``rrelu_with_noise``...) is never run per device (one draw each)
+nor decomposed (its parts may draw other numbers): dispatch's random fallback gathers its inputs'
+values and draws once, as one device would, and lays the results out Broadcast.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ register(
         aten.uniform_.default,
         aten.normal_.default,
         aten.exponential_.default,
+        aten.cauchy_.default,
+        aten.geometric_.default,
+        aten.log_normal_.default,
         aten.random_.default,
         getattr(aten.random_, "from"),
         aten.random_.to,
@@ -70,6 +78,9 @@ SAMPLES = {
     aten.uniform_.default: lambda: [((_r(5, 7), -1.0, 2.0), {})],
     aten.normal_.default: lambda: [((_r(7, 3),), {})],
     aten.exponential_.default: lambda: [((_r(5, 3),), {})],
+    aten.cauchy_.default: lambda: [((_r(5, 3),), {}), ((_r(7, 2), 1.0, 2.0), {})],
+    aten.geometric_.default: lambda: [((_r(5, 3), 0.3), {})],
+    aten.log_normal_.default: lambda: [((_r(5, 3),), {}), ((_r(3, 7), 0.5, 0.25), {})],
     aten.random_.default: lambda: [((_r(5, 3),), {})],
     getattr(aten.random_, "from"): lambda: [((_r(5, 3), 2, 9), {})],
     aten.random_.to: lambda: [((_r(5, 3), 9), {})],

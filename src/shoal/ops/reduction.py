@@ -45,6 +45,8 @@ def reduced_dims(call: Call, dim_arg: int = 1) -> tuple[tuple[int, ...], bool]:
         return tuple(range(x.ndim)), False
     dim = call.arg(dim_arg, "dim")
     keepdim = bool(call.arg(dim_arg + 1, "keepdim", False))
+    if x.ndim == 0:  # dim 0 or -1 of a number: nothing is reduced
+        return (), keepdim
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return tuple(range(x.ndim)), keepdim
     dims = [dim] if isinstance(dim, int) else list(dim)
@@ -125,6 +127,8 @@ def _split_reduced(call: Call, specs) -> bool:
 
 def _dims(x, dim) -> list[int]:
     """The dims a decomposition reduces: all for None or [], else ``dim`` normalized and sorted."""
+    if x.ndim == 0:
+        return []
     return list(range(x.ndim)) if dim is None or len(dim) == 0 else sorted({d % max(x.ndim, 1) for d in dim})
 
 

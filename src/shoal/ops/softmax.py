@@ -37,7 +37,8 @@ def _split_on_dim(i: int):
 
     def pred(call: Call, specs) -> bool:
         dim = _dim(call, i)
-        if call.ins[0].ndim == 0 or call.ins[0].shape[dim] == 0:
+        x = call.ins[0]
+        if x.ndim == 0 or x.shape[dim] == 0 or not x.is_floating_point():  # integers: the kernel refuses them
             return False
         return any(s == Split(dim) for sp in specs for s in sp.sbp)
 

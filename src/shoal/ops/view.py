@@ -14,6 +14,7 @@ import math
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from .. import aliasing
 from ..sbp import Broadcast, Partial, Split
 from .registry import Call, Rule, Sig, register
 
@@ -149,6 +150,8 @@ def _unsqueeze(call: Call) -> list[Sig]:
 def _squeezed(call: Call) -> list[int]:
     """The dims squeeze removes: those of global size 1 (a shard may be size 1 where the global is not)."""
     x = call.ins[0]
+    if x.ndim == 0:  # a 0-dim tensor squeezes to itself (dims 0 and -1 name it)
+        return []
     if call.func == aten.squeeze.default:
         return [d for d in range(x.ndim) if x.shape[d] == 1]
     dims = call.arg(1, "dim")
@@ -195,7 +198,7 @@ def _inplace_view(op):
 
     def run(self, *args, **kwargs):
         out = view(self, *args, **kwargs)
-        self._spec, self._shards, self._resolved = out._spec, out._shards, None
+        aliasing.become_view(self, out)
         return return_and_correct_aliasing(op, (self, *args), kwargs, self)
 
     return run
@@ -328,3 +331,67 @@ register(aten.cat.default, Rule(_cat, name="cat"))
 register(aten.stack.default, Rule(_stack, name="stack"))
 register([aten.split.Tensor, aten.split_with_sizes.default], Rule(_split, name="split"))
 register(aten.unbind.int, Rule(_unbind, name="unbind"))
+
+
+# -- the scatters: a base with a view's value written in (functionalization's inverses of views) -----
+
+
+def _scatters(call: Call, dim_map) -> list[Sig]:
+    """(self, src) -> out: self's dim d and src's ``dim_map(d)`` split alike, where d is not written
+    along; linear in both, so Partial pairs too."""
+    sigs = []
+    for d in range(call.ins[0].ndim):
+        e = dim_map(d)
+        if e is not None and call.ins[0].shape[d] > 1:
+            sigs.append(Sig((Split(d), Split(e)), (Split(d),)))
+    return sigs + [Sig((p, p), (p,)) for p in _PARTIALS]
+
+
+def _slice_scatter(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(2, "dim", 0), call.ins[0].ndim)
+    return _scatters(call, lambda d: None if d == dim else d)
+
+
+def _select_scatter(call: Call) -> list[Sig]:
+    dim = _norm(call.arg(2, "dim"), call.ins[0].ndim)
+    return _scatters(call, lambda d: None if d == dim else d - (d > dim))
+
+
+def _diagonal_scatter(call: Call) -> list[Sig]:
+    rest = _off_diagonal(call.ins[0].ndim, call.arg(3, "dim1", 0), call.arg(4, "dim2", 1))
+    return _scatters(call, lambda d: rest.index(d) if d in rest else None)
+
+
+def _as_strided_scatter_local(call: Call, ins, outs):
+    """Like as_strided: ``src`` lands where as_strided under the input's own strides addresses."""
+    strides = call.ins[0].stride()
+
+    def run(full, src, size, stride, storage_offset=None):
+        offset = storage_offset or 0
+        extent = 1 + sum((n - 1) * st for n, st in zip(full.shape, strides) if n > 0)
+        need = 1 + offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
+        buf = full.new_zeros((max(extent, need),))
+        out = buf.as_strided(full.shape, strides)
+        out.copy_(full)
+        buf.as_strided(size, stride, offset).copy_(src)
+        return out
+
+    return run
+
+
+register(aten.slice_scatter.default, Rule(_slice_scatter, name="slice_scatter"))
+register(aten.select_scatter.default, Rule(_select_scatter, name="select_scatter"))
+register(aten.diagonal_scatter.default, Rule(_diagonal_scatter, name="diagonal_scatter"))
+# replicated: only the all-Broadcast signature, run as above
+register(aten.as_strided_scatter.default, Rule(local=_as_strided_scatter_local, name="as_strided_scatter"))
+
+
+def _roll(call: Call) -> list[Sig]:
+    """roll moves elements along its dims (all of them, flattened, when none are given): those stay
+    whole; it is a permutation of elements, so Partial values roll piece by piece."""
+    dims = call.arg(2, "dims", ())
+    rolled = set(range(call.ins[0].ndim)) if not dims else {_norm(d, call.ins[0].ndim) for d in dims}
+    return _moves(call, lambda d: None if d in rolled else d)
+
+
+register(aten.roll.default, Rule(_roll, name="roll"))
