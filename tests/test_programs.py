@@ -644,19 +644,19 @@ FOUND: list[Program] = [
         v0 = x0.argmax(1)
         v1 = v0.softmax(-1)
     """),
-    # the norm of integers: torch refuses them; shoal gives a value (open: dispatch.py takes a raising meta kernel
-    # for a missing one and runs torch's decomposition, which checks no dtypes)
+    # the norm of integers: torch refuses them; shoal gave a value (dispatch took a raising meta kernel for a
+    # missing one and ran torch's decomposition, which checks no dtypes; fixed in dispatch._decomposition_agrees)
     Program((2,), (((4, 3), (S(0),)),), """
         v0 = x0.argmax(1)
         v1 = v0.norm()
     """),
-    # lerp of integers and floats: torch refuses them; shoal gives a value (open: the same, in dispatch.py)
+    # lerp of integers and floats: torch refuses them; shoal gave a value (the same cause and fix)
     Program((2,), (((4,), (S(0),)),), """
         v0 = x0.max(0, keepdim=True).indices
         v1 = torch.lerp(v0, x0, 0.25)
     """),
-    # squeeze(0) / squeeze(-1) of a number: a no-op in torch; IndexError in the squeeze rule (open: ops/view.py's
-    # _squeezed indexes the shape of a 0-dim tensor); logsumexp decomposes into it
+    # squeeze(0) / squeeze(-1) of a number: a no-op in torch; IndexError in the squeeze rule (_squeezed indexed
+    # the shape of a 0-dim tensor; fixed in ops/view.py); logsumexp decomposes into it
     Program((2,), (((3,), (S(0),)),), """
         v0 = x0.sum()
         v1 = v0.squeeze(0)
@@ -665,9 +665,10 @@ FOUND: list[Program] = [
         v0 = x0[-1]
         v1 = v0.logsumexp(-1)
     """),
-    # view-write, pending the fix: writes to a tensor with an expanded view alive, or through an expanded view
-    # (expand(1, ...) of a new dim of 1 is writable in torch): shoal raises torch's "more than one element of
-    # the written-to tensor refers to a single memory location" from aliasing.py, copying into the expanded view
+    # writes to a tensor with an expanded view alive, or through an expanded view (expand(1, ...) of a new dim
+    # of 1 is writable in torch): shoal raised torch's "more than one element of the written-to tensor refers
+    # to a single memory location" copying into the expanded copy (fixed in aliasing.py: an expanded copy is
+    # re-expanded, an expand that repeats nothing is written back as a reshape)
     Program((2,), (((1, 1), (S(0),)),), """
         v0 = x0.expand(2, 2)
         x0.fill_(1.0)
