@@ -264,7 +264,7 @@ def _run(func, args: tuple, kwargs: dict):
         except Exception as e:
             # a traced step runs the fallback on meta shards: an op without a meta kernel, or whose
             # result needs its inputs' values (nonzero's shape, allclose's bool), stops the trace clearly
-            if kind == "fallback" and _tracing(tensors):
+            if kind == "fallback" and _tracing(tensors) and not _refused(func, targs, tkwargs, tensors):
                 why = f"torch cannot run it on meta tensors, without values ({_first_line(e)})"
                 raise _untraceable(func, why) from e
             raise
@@ -315,6 +315,19 @@ def _draws(func) -> bool:
     CompositeImplicitAutograd op does not: its parts draw, each through dispatch."""
     return torch.Tag.nondeterministic_seeded in func.tags and not torch._C._dispatch_has_kernel_for_dispatch_key(
         func.name(), "CompositeImplicitAutograd")
+
+
+def _refused(func, targs, tkwargs, tensors) -> bool:
+    """Whether torch's meta kernel refuses the call itself on the global shapes (a shape mismatch: the
+    user's error, raised as it is), not for want of values or of a meta kernel."""
+    metas = [_meta(t) for t in tensors]
+    try:
+        func(*_fill_args(targs, metas), **{k: _fill(v, metas) for k, v in tkwargs.items()})
+    except NotImplementedError:
+        return False
+    except Exception as e:  # noqa: BLE001
+        return "meta" not in str(e)
+    return False
 
 
 def _decomposition_agrees(func, targs, tkwargs, tensors) -> bool:
