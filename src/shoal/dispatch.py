@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._decomp import decomposition_table
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from . import aliasing, boxing, debug
@@ -106,8 +107,10 @@ _DECISIONS: list = []  # every decision made, cached or not, for coverage()
 
 def coverage(reset: bool = False) -> Coverage:
     """Ops served by rules, by decomposition into ruled ops, and by the replicated fallback since
-    start (or the last reset)."""
+    start (or the last reset; a reset also lets each fallback op warn once more)."""
     out = Coverage(Counter(), Counter(), Counter())
+    if reset:
+        _FALLBACK_WARNED.clear()
     for dec in _DECISIONS:
         func, n = dec.calls
         if n:
@@ -133,7 +136,7 @@ class _Seq:
 def _template(obj, tensors: list, key: list):
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
-        key.append(None)
+        key.append(_Slot)  # not None: [None, t] and [t, None] (index's indices) must not share a decision
         return _Slot(len(tensors) - 1)
     if isinstance(obj, (list, tuple)):
         if any(isinstance(e, torch.Tensor) for e in obj):
@@ -322,7 +325,8 @@ def _refused(func, targs, tkwargs, tensors) -> bool:
     user's error, raised as it is), not for want of values or of a meta kernel."""
     metas = [_meta(t) for t in tensors]
     try:
-        func(*_fill_args(targs, metas), **{k: _fill(v, metas) for k, v in tkwargs.items()})
+        with _untraced():
+            func(*_fill_args(targs, metas), **_meta_kwargs(tkwargs, metas))
     except NotImplementedError:
         return False
     except Exception as e:  # noqa: BLE001
@@ -336,16 +340,18 @@ def _decomposition_agrees(func, targs, tkwargs, tensors) -> bool:
     decomposition only if, on meta tensors, its outputs have the kernel's shapes and dtypes (or the
     kernel has no meta implementation to compare with)."""
     metas = [_meta(t) for t in tensors]
-    margs, mkwargs = _fill_args(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
+    margs, mkwargs = _fill_args(targs, metas), _meta_kwargs(tkwargs, metas)
     try:
-        want = func(*margs, **mkwargs)
+        with _untraced():
+            want = func(*margs, **mkwargs)
     except NotImplementedError:  # no meta kernel: nothing to compare with
         return True
     except Exception:  # noqa: BLE001 - the call is refused (a dtype torch does not take): the kernel must say so
         return False
     try:
         _DECOMPOSING.add(func)
-        got = _decomposition(func)(*margs, **mkwargs)
+        with _untraced():
+            got = _decomposition(func)(*margs, **mkwargs)
     except Exception:  # noqa: BLE001 - the decomposition cannot even run on meta: don't trust it
         return False
     finally:
@@ -420,8 +426,25 @@ def _spec_of(t, mesh: Mesh) -> TensorSpec:
     return TensorSpec(tuple(t.shape), t.dtype, mesh, (_B,) * mesh.ndim)
 
 
+def _untraced():
+    """Meta runs that decide layouts are no part of a traced step: graph mode's tracer (a dispatch
+    mode) must not see them (a decomposition tried on meta made ops the verifier then rejected)."""
+    return _disable_current_modes()
+
+
+def _meta_kwargs(tkwargs: dict, metas: list) -> dict:
+    """Keyword arguments for a run on meta tensors: a ``device`` argument names the meta device too
+    (``randn_like(x, device="cpu")`` would run for real, and draw: the first call, which decides,
+    then gave other numbers than torch)."""
+    kw = {k: _fill(v, metas) for k, v in tkwargs.items()}
+    if kw.get("device") is not None:
+        kw["device"] = "meta"
+    return kw
+
+
 def _meta(t) -> torch.Tensor:
-    return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
+    with _untraced():
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device="meta")
 
 
 def _aliases(func, tensors_by_arg: list[tuple[int, ...]]):
@@ -477,7 +500,8 @@ def _prepare(func, targs, tkwargs, tensors, specs: tuple = ()) -> _Prepared:
     metas = [_meta(t) for t in tensors]
     margs, mkwargs = _fill_args(targs, metas), {k: _fill(v, metas) for k, v in tkwargs.items()}
     try:
-        out_meta = func(*margs, **mkwargs)
+        with _untraced():
+            out_meta = func(*margs, **_meta_kwargs(tkwargs, metas))
     except Exception:  # no meta kernel or a data-dependent shape: decide on real values instead
         return _Prepared(rule, None, mutated, [], None)
     out_tensors: list = []
@@ -581,7 +605,8 @@ def _check_shapes_kept(func, targs, tkwargs, tensors, mutated) -> None:
     own): an op that gives its input another shape (``resize_``, ``set_``) is refused, clearly."""
     metas = [_meta(t) for t in tensors]
     try:
-        func(*_fill_args(targs, metas), **{k: _fill(v, metas) for k, v in tkwargs.items()})
+        with _untraced():
+            func(*_fill_args(targs, metas), **_meta_kwargs(tkwargs, metas))
     except Exception:  # noqa: BLE001 - no meta kernel: nothing known, the run will tell
         return
     for i in mutated:

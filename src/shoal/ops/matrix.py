@@ -81,17 +81,35 @@ def _batch_splits(x1, x2, nin: int) -> list[Sig]:
 
 
 def _cdist(call: Call) -> list[Sig]:
+    """Rows of x1 give rows of the result, rows of x2 its columns (each operand by its own dims: batch
+    dims broadcast, so x1, x2 and the result may differ in rank)."""
     x1, x2 = call.ins
-    rows = Split(x1.ndim - 2)
-    return [Sig((rows, _B), (rows,)), Sig((_B, rows), (Split(x1.ndim - 1),)), *_batch_splits(x1, x2, 2)]
+    r = call.outs[0].ndim
+    return [Sig((Split(x1.ndim - 2), _B), (Split(r - 2),)), Sig((_B, Split(x2.ndim - 2)), (Split(r - 1),)),
+            *_batch_splits(x1, x2, 2)]
 
 
 def _cdist_backward(call: Call) -> list[Sig]:
-    """(grad, x1, x2, p, cdist) -> grad_x1."""
-    _, x1, x2, _ = call.ins
-    rows, cols = Split(x1.ndim - 2), Split(x1.ndim - 1)
-    return [Sig((rows, rows, _B, rows), (rows,)), Sig((cols, _B, rows, cols), (_P,)), *_batch_splits(x1, x2, 4)]
+    """(grad, x1, x2, p, cdist) -> grad_x1, of the broadcast batch shape (grad's rank)."""
+    g, x1, x2, _ = call.ins
+    r = g.ndim
+    rows, cols = Split(r - 2), Split(r - 1)
+    return [Sig((rows, Split(x1.ndim - 2), _B, rows), (Split(call.outs[0].ndim - 2),)),
+            Sig((cols, _B, Split(x2.ndim - 2), cols), (_P,)), *_batch_splits(x1, x2, 4)]
 
 
 register(aten._cdist_forward.default, Rule(_cdist, name="cdist"))
-register(aten._cdist_backward.default, Rule(_cdist_backward, name="cdist_backward"))
+def _cdist_backward_local(call: Call, ins, outs):
+    """torch's kernel returns ``zeros_like(x1)``, without the broadcast batch dims, when a size is zero:
+    a shard without rows (of x1 or of x2) contributes nothing, zeros of its own shape."""
+
+    def run(shard, grad, x1, x2, p, cdist):
+        out = aten._cdist_backward.default(grad, x1, x2, p, cdist)
+        want = shard.out_specs[0].local_shape(shard.pos)
+        return out if tuple(out.shape) == tuple(want) else out.new_zeros(want)
+
+    return run
+
+
+register(aten._cdist_backward.default,
+         Rule(_cdist_backward, local=_cdist_backward_local, local_ctx=True, name="cdist_backward"))

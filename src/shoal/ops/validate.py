@@ -168,10 +168,13 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
         S_(r(5, 3), r(4, 3), 1.0, None),
         S_(r(2, 5, 3), r(2, 4, 3), float("inf"), 2),
         S_(r(3, 5, 3), r(1, 4, 3), 3.0, None),
+        S_(r(2, 5, 3), r(4, 3), 2.0, None),  # batch dims broadcast: the operands differ in rank
+        S_(r(5, 3), r(2, 4, 3), 1.0, None),
     ],
     aten._cdist_backward.default: lambda: [_cdist_backward_sample(*a) for a in (
         ((5, 3), (7, 3), 2.0), ((5, 3), (4, 3), 1.0), ((3, 5, 3), (3, 4, 3), 3.0),
-        ((2, 5, 3), (2, 4, 3), float("inf")))],
+        ((2, 5, 3), (2, 4, 3), float("inf")), ((2, 5, 3), (4, 3), 2.0), ((5, 3), (2, 4, 3), 1.0),
+        ((1, 2, 2), (2, 1, 1, 2), 2.0))],  # one row of x2: a (3,) mesh leaves shards without rows
     # views and shapes
     aten.view.default: lambda: [
         S_(r(6, 4), [24]),
