@@ -4,7 +4,7 @@ Global tensors laid out on a mesh of devices by an SBP per mesh axis; every op k
 single-device meaning. This module only re-exports the public API.
 """
 
-from . import ops  # noqa: F401  (registers the op rules)
+from . import ops, torch_patches  # noqa: F401  (register the op rules; make shoal's changes to torch)
 from .comm.counter import CommCounter
 from .dispatch import coverage
 from .graph.api import CompiledStep, compile

@@ -7,7 +7,6 @@ from . import (
     embedding,
     factory,
     foreach,
-    host,
     indexing,
     loss,
     matrix,
@@ -21,14 +20,13 @@ from . import (
 )
 from .registry import Call, Rule, Sig, lookup, register, registered_ops
 
-# each family module registers its rules on import; validator samples may live beside them
+# each family module registers its rules on import (their validator samples are in ``samples``)
 FAMILIES = (
     attention,
     conjugate,
     convolution,
     factory,
     foreach,
-    host,  # kernels for tensor arguments ATen reads above dispatch (no rules)
     matrix,
     pointwise,
     random,

@@ -77,38 +77,3 @@ def _flash_backward(call: Call) -> list[Sig]:
 
 register(_FLASH, Rule(_flash, local=pad_empty_local, local_ctx=True, name="flash_attention"))
 register(_FLASH_BACKWARD, Rule(_flash_backward, local=pad_empty_local, local_ctx=True, name="flash_attention_backward"))
-
-
-# -- validator samples (shoal.ops.validate) ---------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G, dtype=torch.float64)
-
-
-def _flash_samples():
-    """(args, kwargs) with batch 3 or 5, heads 7 or 2, query length 5, key length 7."""
-    q, k, v = _r(3, 7, 5, 4), _r(3, 7, 7, 4), _r(3, 7, 7, 4)
-    q2, k2, v2 = _r(5, 2, 5, 4), _r(5, 2, 5, 4), _r(5, 2, 5, 4)
-    return [
-        ((q, k, v), {}),
-        ((q2, k2, v2, 0.0, True), {}),
-        ((q, k, v), {"attn_mask": _r(5, 7), "scale": 0.3}),
-        ((q2, k2, v2), {"attn_mask": _r(5, 1, 5, 5)}),
-        ((q, k, v), {"attn_mask": _r(3, 7, 5, 7)}),
-    ]
-
-
-def _flash_backward_samples():
-    out = []
-    for args, kw in _flash_samples():
-        q, k, v = args[:3]
-        causal = len(args) > 4 and args[4]
-        o, lse = _FLASH(*args, **kw)
-        out.append(((_r(*o.shape), q, k, v, o, lse, 0.0, causal), kw))
-    return out
-
-
-SAMPLES = {_FLASH: _flash_samples, _FLASH_BACKWARD: _flash_backward_samples}

@@ -37,16 +37,3 @@ register(aten._conj.default, Rule(_elementwise, local=_conj_local, name="conj"))
 register(aten._neg_view.default, Rule(_elementwise, local=_neg_local, name="neg_view"))
 # on shards they return the shard itself (shards hold no bits)
 register([aten.resolve_conj.default, aten.resolve_neg.default], Rule(_elementwise, name="resolve_bits"))
-
-
-def _z(*shape):
-    return torch.randn(shape, dtype=torch.complex64)
-
-
-# validator samples (shoal.ops.validate)
-SAMPLES = {
-    aten._conj.default: lambda: [((_z(5, 7),), {}), ((_z(3),), {})],
-    aten._neg_view.default: lambda: [((_z(5, 7),), {}), ((torch.randn(7, 2),), {})],
-    aten.resolve_conj.default: lambda: [((_z(5, 7),), {})],
-    aten.resolve_neg.default: lambda: [((torch.randn(5, 7),), {})],
-}

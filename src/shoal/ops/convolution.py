@@ -134,7 +134,7 @@ register(
 # its own (batch and channel splits local; the output size and scales are spatial), and linear in
 # the input (Partial passes through).
 
-_UPSAMPLE = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+UPSAMPLE = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
              "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
              "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
 
@@ -154,120 +154,7 @@ def _upsample_backward_local(call: Call, ins, outs):
     return pad_empty(run)
 
 
-register([getattr(aten, f).default for f in _UPSAMPLE],
+register([getattr(aten, f).default for f in UPSAMPLE],
          Rule(_upsample, local=pad_empty_local, local_ctx=True, name="upsample"))
-register([getattr(aten, f"{f}_backward").default for f in _UPSAMPLE],
+register([getattr(aten, f"{f}_backward").default for f in UPSAMPLE],
          Rule(_upsample, local=_upsample_backward_local, local_ctx=True, name="upsample_backward"))
-
-
-# -- validator samples (shoal.ops.validate) ---------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape, dtype=torch.float64):  # long sums over noisy Partial pieces: float32 rounding would show
-    return torch.randn(shape, generator=_G, dtype=dtype)
-
-
-def _conv_samples():
-    x, w, b = _r(5, 7, 7, 7), _r(5, 7, 3, 3), _r(5)
-    return [
-        ((x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
-        ((_r(3, 5, 7, 7), _r(7, 5, 3, 3), None, [2, 2], [0, 1], [1, 1], False, [0, 0], 1), {}),
-        ((_r(3, 6, 7, 7), _r(6, 2, 3, 3), _r(6), [1, 1], [1, 1], [2, 2], False, [0, 0], 3), {}),  # grouped
-        ((_r(3, 5, 7), _r(7, 5, 3), _r(7), [1], [1], [1], False, [0], 1), {}),  # conv1d
-        ((_r(3, 5, 4, 4), _r(5, 7, 3, 3), _r(7), [2, 2], [1, 1], [1, 1], True, [1, 1], 1), {}),  # transposed
-        ((_r(2, 2, 5, 5), _r(2, 2, 3, 3), _r(2), [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {}),  # empty shards
-    ]
-
-
-def _conv_backward_samples():
-    out = []
-    for (x, w, b, stride, pad, dil, tr, opad, groups), _ in _conv_samples():
-        y = aten.convolution.default(x, w, b, stride, pad, dil, tr, opad, groups)
-        bias_sizes = None if b is None else list(b.shape)
-        masks = [[True, True, b is not None]] + ([[False, True, False], [True, False, False]] if not out else [])
-        for mask in masks:
-            out.append(((_r(*y.shape), x, w, bias_sizes, stride, pad, dil, tr, opad, groups, mask), {}))
-    return out
-
-
-_POOL_OPS = {  # sample kind -> (forward op, backward op)
-    "max": (aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward),
-    "max3d": (aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward),
-    "avg": (aten.avg_pool2d, aten.avg_pool2d_backward),
-    "avg3d": (aten.avg_pool3d, aten.avg_pool3d_backward),
-    "adaptive": (aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward),
-    "adaptive3d": (aten._adaptive_avg_pool3d, aten._adaptive_avg_pool3d_backward),
-    "adaptive_max": (aten.adaptive_max_pool2d, aten.adaptive_max_pool2d_backward),
-    "adaptive_max3d": (aten.adaptive_max_pool3d, aten.adaptive_max_pool3d_backward),
-}
-
-
-def _pool_samples(op):
-    """Full argument lists, so that the backward samples can reuse them."""
-    x4, x3, small = _r(5, 7, 7, 7), _r(7, 7, 7), _r(2, 2, 5, 5)  # small: empty shards on 3 or 4 devices
-    x5, small5 = _r(5, 3, 4, 5, 5), _r(2, 2, 3, 4, 4)
-    if op == "max":  # (x, kernel, stride, padding, dilation, ceil_mode)
-        cfgs = [(x4, [2, 2], [2, 2], [0, 0], [1, 1], False), (x4, [3, 3], [2, 2], [1, 1], [1, 1], True)]
-        cfgs += [(x3, [2, 2], [1, 1], [0, 0], [2, 2], False), (small, [2, 2], [2, 2], [0, 0], [1, 1], False)]
-    elif op == "max3d":
-        cfgs = [(x5, [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False),
-                (small5, [1, 3, 3], [1, 2, 2], [0, 1, 1], [1, 1, 1], True)]
-    elif op == "avg":  # (x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
-        cfgs = [(x4, [2, 2], [2, 2], [0, 0], False, True, None), (x4, [3, 3], [2, 2], [1, 1], True, False, None)]
-        cfgs += [(x3, [3, 3], [2, 2], [1, 1], False, True, 2), (small, [2, 2], [2, 2], [0, 0], False, True, None)]
-    elif op == "avg3d":
-        cfgs = [(x5, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None),
-                (small5, [1, 3, 3], [1, 2, 2], [0, 1, 1], True, False, None)]
-    elif op.endswith("3d"):  # (x, output_size)
-        cfgs = [(x5, [2, 3, 2]), (small5, [1, 2, 2])]
-    else:
-        cfgs = [(x4, [2, 3]), (x3, [3, 3]), (small, [2, 2])]
-    return [(cfg, {}) for cfg in cfgs]
-
-
-def _pool_backward_samples(op):
-    forward = _POOL_OPS[op][0].default
-    out = []
-    for args, _ in _pool_samples(op):
-        y = forward(*args)
-        if op.startswith("max"):
-            y, idx = y
-            out.append(((_r(*y.shape), *args, idx), {}))
-        elif op.startswith("adaptive_max"):
-            y, idx = y
-            out.append(((_r(*y.shape), args[0], idx), {}))
-        elif op.startswith("avg"):
-            out.append(((_r(*y.shape), *args), {}))
-        else:
-            out.append(((_r(*y.shape), args[0]), {}))
-    return out
-
-
-def _upsample_samples(name: str, backward: bool):
-    """Uneven batch and channel counts, a non-integer scale, and a small input (empty shards)."""
-    k = int(name.removesuffix("_aa")[-2])
-    linear = "nearest" not in name
-    out = []
-    for shape in ((5, 3, *(4,) * k), (2, 2, *(3,) * k)):
-        size = [7] * k
-        for corners in (False, True) if linear else (None,):
-            x = _r(*shape)
-            extra = [] if corners is None else [corners]
-            if not backward:
-                out.append(((x, size, *extra), {}))
-            else:
-                y = getattr(aten, name).default(x, size, *extra)
-                out.append(((_r(*y.shape), size, list(shape), *extra), {}))
-    return out
-
-
-SAMPLES = {
-    **{getattr(aten, f).default: (lambda f=f: _upsample_samples(f, False)) for f in _UPSAMPLE},
-    **{getattr(aten, f"{f}_backward").default: (lambda f=f: _upsample_samples(f, True)) for f in _UPSAMPLE},
-    aten.convolution.default: _conv_samples,
-    aten.convolution_backward.default: _conv_backward_samples,
-    **{fwd.default: (lambda k=k: _pool_samples(k)) for k, (fwd, _) in _POOL_OPS.items()},
-    **{bwd.default: (lambda k=k: _pool_backward_samples(k)) for k, (_, bwd) in _POOL_OPS.items()},
-}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Broadcast, Partial, Split
+from .empty import pad_empty
 from .registry import Call, Rule, Sig, register
 
 aten = torch.ops.aten
@@ -38,12 +39,10 @@ def _embedding_local(call: Call, ins, outs):
     def run(ctx, weight, indices, *args, **kwargs):
         lo, n = ctx.in_specs[0].local_offset(ctx.pos)[0], weight.shape[0]
         inside = (indices >= lo) & (indices < lo + n)
-        if n == 0:
-            return weight.new_zeros((*indices.shape, weight.shape[1]))
         out = func(weight, torch.where(inside, indices - lo, 0), *args, **kwargs)
         return torch.where(inside.unsqueeze(-1), out, 0)
 
-    return run
+    return pad_empty(run, with_shard=True)  # a shard without rows: one zero row, which gives zeros
 
 
 # embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
@@ -80,33 +79,3 @@ register(
     aten.embedding_dense_backward.default,
     Rule(_backward, local=_backward_local, local_ctx=True, name="embedding_backward"),
 )
-
-
-# -- validator samples ------------------------------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G)
-
-
-def _i(n: int, *shape):
-    return torch.randint(0, n, shape, generator=_G)
-
-
-SAMPLES = {
-    aten.embedding.default: lambda: [
-        ((_r(11, 4), _i(11, 5)), {}),
-        ((_r(11, 5), _i(11, 3, 7)), {}),
-        ((_r(7, 3), _i(7, 2, 3), 2), {}),
-        ((_r(2, 3), _i(2, 5)), {}),
-    ],
-    aten.embedding_dense_backward.default: lambda: [
-        ((_r(5, 4), _i(11, 5), 11, -1, False), {}),
-        ((_r(3, 7, 5), _i(11, 3, 7), 11, 4, False), {}),
-        ((_r(7, 3), torch.tensor([0, 3, 3, 6, 3, 0, 1]), 7, -1, True), {}),
-        ((_r(2, 3, 3), _i(7, 2, 3), 7, 3, True), {}),
-        ((_r(5, 3), _i(2, 5), 2, 0, False), {}),
-    ],
-}

@@ -1,4 +1,4 @@
-"""Per-shard kernels that reject empty shards (pooling, convolution, attention): pad, run, cut back.
+"""Per-shard kernels that reject empty shards (pooling, convolution, attention, norms, LSTM): pad, run, cut back.
 
 An uneven split may leave a shard with no rows along its split dim; several ATen kernels raise on that
 (or crash). ``pad_empty`` runs the op on the shard with each such dim padded to one zero slice and cuts
@@ -8,15 +8,12 @@ the outputs back to the shapes their specs give. Exact for ops that are independ
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from .registry import Call
-
-if TYPE_CHECKING:
-    from ..dispatch import Shard
+from .registry import Call, Shard
 
 __all__ = ["pad_empty", "pad_empty_local"]
 
@@ -29,12 +26,14 @@ def _has_empty(obj) -> bool:
     return False
 
 
-def pad_empty(fn: Callable) -> Callable:
-    """``fn(*args)`` as a context-taking local function (``local_ctx=True``) that survives empty shards."""
+def pad_empty(fn: Callable, with_shard: bool = False) -> Callable:
+    """``fn(*args)`` as a context-taking local function (``local_ctx=True``) that survives empty shards;
+    ``with_shard``: ``fn`` takes the Shard first too (``fn(shard, *args)``, e.g. for its offsets)."""
 
     def run(shard: Shard, *args, **kwargs):
+        op = functools.partial(fn, shard) if with_shard else fn
         if not (any(_has_empty(a) for a in args) or any(_has_empty(v) for v in kwargs.values())):
-            return fn(*args, **kwargs)
+            return op(*args, **kwargs)
         k = 0
 
         def pad(obj):
@@ -51,7 +50,7 @@ def pad_empty(fn: Callable) -> Callable:
         # the same order as dispatch numbers tensor inputs: positional args, then keyword args
         a = tuple(pad(x) for x in args)
         kw = {key: pad(v) for key, v in kwargs.items()}
-        out = fn(*a, **kw)
+        out = op(*a, **kw)
         j = 0
 
         def cut(obj):

@@ -1,5 +1,6 @@
-"""Foreach ops (``torch._foreach_*``, the optimizers' multi-tensor path), ``linalg_vector_norm``, and
-GlobalTensor made a foreach-supported type, so optimizers and ``clip_grad_norm_`` take that path.
+"""Foreach ops (``torch._foreach_*``, the optimizers' multi-tensor path) and ``linalg_vector_norm``.
+(``shoal.torch_patches`` makes GlobalTensor a foreach-supported type, so optimizers and
+``clip_grad_norm_`` take that path.)
 
 A foreach op is one pointwise op per list index. Its rule is n-D (``nd=True``): each index keeps one
 layout, the written element's (in place) or the cheapest of its operands' (out of place), and the
@@ -15,13 +16,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import _foreach_supported_types as _OPTIM_FOREACH_TYPES
-from torch.utils._foreach_utils import _foreach_supported_types as _UTIL_FOREACH_TYPES
 
-from .. import boxing
+from .. import boxing, schema
 from ..sbp import Broadcast, NdSBP, Partial, Split
-from ..tensor import GlobalTensor
-from .empty import pad_empty, pad_empty_local
+from .empty import pad_empty_local
 from .reduction import reduced_dims
 from .registry import Call, Rule, Sig, register, register_generic
 
@@ -82,7 +80,7 @@ class _Args:
     per_index: tuple[str, ...]  # arguments with one entry per list index (tensor and scalar lists)
 
 
-def _base(func) -> tuple[str, str, bool]:
+def base_name(func) -> tuple[str, str, bool]:
     """(name without ``_foreach_`` and trailing ``_``, overload, in place)."""
     name = func._schema.name.split("::")[1].removeprefix("_foreach_")
     inplace = name.endswith("_")
@@ -91,20 +89,19 @@ def _base(func) -> tuple[str, str, bool]:
 
 
 def _args(call: Call) -> _Args:
-    schema = call.func._schema.arguments
-    by_name = {a.name: a for a in schema}
-    named = [(schema[i], v) for i, v in enumerate(call.args)] + [(by_name[k], v) for k, v in call.kwargs.items()]
+    names = schema.of(call.func).names
+    named = [(names[i], v) for i, v in enumerate(call.args)] + list(call.kwargs.items())
     lists, singles, per_index, k = [], [], [], 0
-    for a, v in named:
+    for name, v in named:
         if isinstance(v, torch.Tensor):
             singles.append(k)
             k += 1
         elif isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):
             lists.append(tuple(range(k, k + len(v))))
             k += len(v)
-            per_index.append(a.name)
+            per_index.append(name)
         elif isinstance(v, (list, tuple)):
-            per_index.append(a.name)
+            per_index.append(name)
     return _Args(tuple(lists), tuple(singles), tuple(per_index))
 
 
@@ -138,7 +135,7 @@ def _foreach(call: Call) -> list:
     """The one n-D signature: per index, every operand in the layout of the index's anchor."""
     if not call.specs:
         return []  # the validator's listing: layouts are only known for a real call
-    base, overload, inplace = _base(call.func)
+    base, overload, inplace = base_name(call.func)
     groups = _LINEAR.get((base, overload), ())
     where = _args(call)
     specs, ins = call.specs, call.ins
@@ -174,23 +171,30 @@ def _writes_partial(call: Call, specs) -> bool:
     return any(isinstance(s, Partial) for x in where.lists[0] for s in specs[x].sbp)
 
 
+def _zero_each(self) -> None:
+    for t in self:
+        aten.zero_.default(t)
+
+
+def _copy_each(self, src, non_blocking=False) -> None:
+    for t, s in zip(self, src):
+        aten.copy_.default(t, s)
+
+
+# the ops that exist in place only (``_INPLACE_ONLY``), as one per-tensor op per element
+_PER_TENSOR = {"zero_": _zero_each, "copy_": _copy_each}
+
+
 def _inplace_decomposition(func):
     """The op out of place, then one ``copy_`` per element (per-tensor writes dispatch handles fully)."""
-    base, overload, _ = _base(func)
+    base, overload, _ = base_name(func)
+    if base in _PER_TENSOR:
+        return _PER_TENSOR[base]
+    out_of_place = getattr(getattr(aten, "_foreach_" + base), overload)
 
-    def run(self, *args, **kwargs):
-        if base == "zero_":
-            for t in self:
-                aten.zero_.default(t)
-            return None
-        if base == "copy_":
-            for t, src in zip(self, args[0]):
-                aten.copy_.default(t, src)
-            return None
-        outs = getattr(getattr(aten, "_foreach_" + base), overload)(self, *args, **kwargs)
-        for t, o in zip(self, outs):
+    def run(self, *args, **kwargs) -> None:
+        for t, o in zip(self, out_of_place(self, *args, **kwargs)):
             aten.copy_.default(t, o)
-        return None
 
     return run
 
@@ -220,7 +224,7 @@ def _register_pointwise() -> list:
 
 def _rule(op) -> Rule:
     """A pointwise foreach op's rule; one writing in place into a Partial element is decomposed."""
-    if not _base(op)[2]:
+    if not base_name(op)[2]:
         return Rule(_foreach, nd=True, name="foreach")
     return Rule(_foreach, nd=True, local=_inplace_local, local_ctx=True, decompose=_writes_partial,
                 decomposition=_inplace_decomposition(op), name="foreach_")
@@ -232,7 +236,8 @@ FOREACH_OPS = _register_pointwise()
 # index, every list (and each 0-dim step count) in the layout of the parameter it updates.
 FUSED_OPTIMIZER_OPS = [aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr, aten._fused_adam_.default,
                        aten._fused_adam_.tensor_lr]
-_FUSED_WRITES = 5  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+# the lists they write, by schema name (params, grads and the states)
+_FUSED_WRITES = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
 
 
 def _fused_local(call: Call, ins, outs):
@@ -242,14 +247,15 @@ def _fused_local(call: Call, ins, outs):
     func = call.func
 
     def run(shard, *args, **kwargs):
-        args, back = list(args), []
-        for k in range(_FUSED_WRITES):
-            lst = list(args[k])
+        args, kwargs, back = list(args), dict(kwargs), []
+        for k, name in enumerate(_FUSED_WRITES):
+            given, key = (args, k) if k < len(args) else (kwargs, name)  # by position or by keyword
+            lst = list(given[key])
             for i, t in enumerate(lst):
                 if not t.is_contiguous():
                     lst[i] = t.contiguous()
                     back.append((t, lst[i]))
-            args[k] = lst
+            given[key] = lst
         func(*args, **kwargs)
         for t, c in back:
             t.copy_(c)
@@ -260,11 +266,14 @@ def _fused_local(call: Call, ins, outs):
 for _op in FUSED_OPTIMIZER_OPS:
     register(_op, Rule(_foreach, nd=True, local=_fused_local, local_ctx=True, name="fused_optimizer"))
 
-# torch 2.13 has no meta kernel for the tensor-lr overloads (in place, nothing returned): dispatch
-# decides layouts on meta tensors and graph mode traces on them
-_META = torch.library.Library("aten", "IMPL")
-for _name in ("_fused_adamw_.tensor_lr", "_fused_adam_.tensor_lr"):
-    _META.impl(_name, lambda *args, **kwargs: None, "Meta")
+
+def _returns_nothing(*args, **kwargs) -> None:
+    return None
+
+
+# op overload name -> Meta kernel, for the overloads torch 2.13 has none for (the tensor-lr ones: in
+# place, nothing returned); ``shoal.torch_patches`` registers them
+META_KERNELS = {"_fused_adamw_.tensor_lr": _returns_nothing, "_fused_adam_.tensor_lr": _returns_nothing}
 
 
 def _other_pointwise_foreach(op) -> bool:
@@ -358,89 +367,15 @@ def _foreach_norm_decomposition(self, ord=2, dtype=None):
     return [aten.linalg_vector_norm.default(t, ord, dtype=dtype) for t in self]
 
 
-def _foreach_norm_local(call: Call, ins, outs):
-    return pad_empty(call.func)
-
-
 register(
     aten._foreach_norm.Scalar,
     Rule(
         _foreach_norm,
         nd=True,
-        local=_foreach_norm_local,
+        local=pad_empty_local,
         local_ctx=True,
         decompose=_foreach_norm_splits,
         decomposition=_foreach_norm_decomposition,
         name="foreach_norm",
     ),
 )
-
-# Optimizers and clip_grad_norm_ take the foreach path only for these types (DTensor adds itself too).
-for _types in (_UTIL_FOREACH_TYPES, _OPTIM_FOREACH_TYPES):
-    if GlobalTensor not in _types:
-        _types.append(GlobalTensor)
-
-
-# -- validator samples (shoal.ops.validate) ---------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G, dtype=torch.float64)
-
-
-def _pos(*shape):
-    return _r(*shape).abs() + 0.5
-
-
-def _sample(base: str, overload: str, inplace: bool):
-    """Lists of two (small: the validator tries layouts of every element); (2,) leaves empty shards."""
-    a, b = [_r(5, 3), _r(2)], [_r(5, 3), _r(2)]
-    s, t = [_r(7), _r()], [_pos(7), _pos()]  # ternary ops: fewer layouts per element
-    if base in ("neg", "sqrt", "abs", "sign", "reciprocal", "zero_"):
-        return [(([_pos(5, 3), _pos(2), _pos(7)],), {})]
-    if base == "copy_":
-        return [((a, b), {})]
-    if base in ("addcmul", "addcdiv"):
-        return [(([_r(7), _r()], s, t, 0.3 if overload == "Scalar" else [0.3, -2.0]), {})]
-    if base == "lerp":
-        return [(([_r(7), _r()], s, 0.3 if overload == "Scalar" else [_pos(7) / 3, _pos() / 3]), {})]
-    if overload == "List":
-        kw = {"alpha": -0.5} if base in ("add", "sub") else {}
-        other = [_pos(5, 3), _pos(2)] if base == "div" else b
-        return [((a, other), kw), ((a, [_r(3), _r(2)]), {})] if base in ("add", "mul") else [((a, other), kw)]
-    if overload == "Scalar":
-        return [((a, 1.5), {})]
-    if overload == "ScalarList":
-        return [((a, [1.5, -3.0]), {})]
-    return [((a, _pos()), {"alpha": 2.0} if base == "add" else {})]  # Tensor: one 0-dim tensor for all
-
-
-def _adam_sample(tensor_lr: bool):
-    lr = torch.tensor(0.01, dtype=torch.float64) if tensor_lr else 0.01
-    kw = {"lr": lr, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "eps": 1e-8, "amsgrad": False,
-          "maximize": False}
-    lists = ([_r(5, 3), _r(2)], [_r(5, 3), _r(2)], [_r(5, 3), _r(2)], [_pos(5, 3), _pos(2)], [],
-             [torch.tensor(3.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)])
-    return [(lists, kw)]
-
-
-SAMPLES = {op: (lambda op=op: _sample(*_base(op))) for op in FOREACH_OPS}
-for _op in FUSED_OPTIMIZER_OPS:
-    SAMPLES[_op] = lambda op=_op: _adam_sample(op._overloadname == "tensor_lr")
-SAMPLES[aten._foreach_norm.Scalar] = lambda: [
-    (([_r(5, 3), _r(2), _r(7)],), {}),
-    (([_r(5, 3), _r(2)], 1), {}),
-    (([_r(5, 3), _r(2)], math.inf), {}),
-    (([_r(7).float(), _r(2).float()], 3.0, torch.float64), {}),
-]
-SAMPLES[aten.linalg_vector_norm.default] = lambda: [
-    ((_r(5, 7),), {}),
-    ((_r(5, 7), 1, [1]), {}),
-    ((_r(5, 7), math.inf, [0], True), {}),
-    ((_r(5, 7), 0), {}),
-    ((_r(2, 7), 3.0, [0]), {}),
-    ((_r(5, 7).float(), 2, [1], False), {"dtype": torch.float64}),
-    ((_r(7, 2), -math.inf, [1]), {}),
-]

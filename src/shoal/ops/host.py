@@ -30,9 +30,6 @@ def _tensor_split(self, indices_or_sections, dim=0):
         return aten.tensor_split.tensor_indices_or_sections(self, ios, dim)
 
 
-# op overload name -> kernel with the op's signature
+# op overload name -> kernel with the op's signature, for the PythonTLSSnapshot key (``shoal.torch_patches``
+# registers them)
 KERNELS = {"tensor_split.tensor_indices_or_sections": _tensor_split}
-
-_LIB = torch.library.Library("aten", "IMPL")
-for _name, _kernel in KERNELS.items():
-    _LIB.impl(_name, _kernel, "PythonTLSSnapshot")

@@ -55,16 +55,14 @@ def _scatter(call: Call) -> list[Sig]:
     return sigs
 
 
+# op -> the position of its ``dim`` in the schema (sort.stable's is keyword-only)
+_SORT_DIM = {aten.topk.default: 2, aten.sort.default: 1, aten.sort.stable: 2}
+
+
 def _sort(call: Call) -> list[Sig]:
     """topk and sort: (values, indices), each row along ``dim`` on its own."""
-    x = call.ins[0]
-    if call.func is aten.topk.default:
-        dim = _dim(call, 2, -1)
-    elif call.func is aten.sort.stable:
-        dim = call.kwargs.get("dim", -1) % x.ndim if x.ndim else 0
-    else:
-        dim = _dim(call, 1, -1)
-    return [Sig((Split(d),), (Split(d), Split(d))) for d in range(x.ndim) if d != dim]
+    dim = _dim(call, _SORT_DIM[call.func], -1)
+    return [Sig((Split(d),), (Split(d), Split(d))) for d in range(call.ins[0].ndim) if d != dim]
 
 
 class _Indexed:
@@ -128,7 +126,7 @@ def _index_put(call: Call) -> list[Sig]:
 
 register(aten.gather.default, Rule(_gather, name="gather"))
 register([aten.scatter.src, aten.scatter.value, aten.scatter_add.default], Rule(_scatter, name="scatter"))
-register([aten.topk.default, aten.sort.default, aten.sort.stable], Rule(_sort, name="sort"))
+register(list(_SORT_DIM), Rule(_sort, name="sort"))
 
 _ORDER_STATS = {aten.median.dim: 1, aten.nanmedian.dim: 1, aten.mode.default: 1, aten.kthvalue.default: 2}
 
@@ -145,57 +143,3 @@ def _order_statistic(call: Call) -> list[Sig]:
 register(list(_ORDER_STATS), Rule(_order_statistic, name="order_statistic"))
 register(aten.index.Tensor, Rule(_index, name="index"))
 register(aten.index_put.default, Rule(_index_put, name="index_put"))
-
-
-# -- validator samples ------------------------------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G)
-
-
-def _i(high: int, *shape):
-    return torch.randint(0, high, shape, generator=_G)
-
-
-SAMPLES = {
-    aten.gather.default: lambda: [
-        ((_r(5, 7), 1, _i(7, 5, 4)), {}),
-        ((_r(5, 7), 0, _i(5, 3, 7)), {}),
-        ((_r(5, 7), 1, _i(7, 5, 7)), {}),
-        ((_r(3, 5, 2), -1, _i(2, 3, 5, 3)), {}),
-        ((_r(3, 5, 2), 2, _i(2, 1, 0)), {}),  # an empty index of lower rank: torch takes it
-        ((_r(3, 0, 2), -1, _i(1, 0)), {}),
-    ],
-    aten.scatter.src: lambda: [
-        ((_r(5, 7), 1, _i(7, 5, 3), _r(5, 3)), {}),
-        ((_r(5, 7), 0, _i(5, 2, 7), _r(2, 7)), {}),
-    ],
-    aten.scatter.value: lambda: [((_r(5, 7), 1, _i(7, 5, 3), 2.5), {})],
-    aten.scatter_add.default: lambda: [
-        ((_r(5, 7), 1, _i(7, 5, 9), _r(5, 9)), {}),
-        ((_r(5, 7), 0, _i(5, 6, 7), _r(6, 7)), {}),
-    ],
-    aten.topk.default: lambda: [((_r(5, 7), 3), {}), ((_r(5, 7), 2, 0, False), {}), ((_r(3, 5, 4), 4, 1), {})],
-    aten.sort.default: lambda: [((_r(5, 7),), {}), ((_r(5, 7), 0, True), {})],
-    aten.sort.stable: lambda: [((_r(5, 7),), {"stable": True, "dim": 0}), ((_r(3, 5, 4),), {"stable": True})],
-    aten.median.dim: lambda: [((_r(5, 7), 1), {}), ((_r(5, 7), 0, True), {})],
-    aten.nanmedian.dim: lambda: [((torch.where(_r(5, 7) > 1, float("nan"), _r(5, 7)), 1), {})],
-    aten.mode.default: lambda: [((torch.randint(0, 3, (5, 7), generator=_G).float(), 1), {}),
-                                ((torch.randint(0, 3, (3, 5, 4), generator=_G).float(), 0, True), {})],
-    aten.kthvalue.default: lambda: [((_r(5, 7), 2), {}), ((_r(5, 7), 3, 0, True), {})],
-    aten.index.Tensor: lambda: [
-        ((_r(5, 7), [_i(5, 6)]), {}),
-        ((_r(5, 7, 3), [None, _i(7, 4, 2)]), {}),
-        ((_r(5, 7, 3), [_i(5, 4), None, _i(3, 4)]), {}),  # not adjacent: the index dims come first
-        ((_r(5, 7, 3), [None, _i(7, 5), _i(3, 1)]), {}),  # broadcast indices
-    ],
-    aten.index_put.default: lambda: [
-        ((_r(5, 7), [_i(5, 6)], _r(6, 7), True), {}),
-        ((_r(5, 7), [torch.randperm(5, generator=_G)[:3]], _r(3, 7)), {}),
-        ((_r(5, 7, 3), [None, _i(7, 4)], _r(5, 4, 3), True), {}),
-        ((_r(5, 7, 3), [None, _i(7, 4)], _r(3), True), {}),  # values broadcast
-    ],
-}

@@ -13,8 +13,9 @@ import math
 
 import torch
 
+from .. import schema
 from ..sbp import Broadcast, Partial, Split
-from .normalization import sig_of
+from .common import named_args, sig_of
 from .registry import Call, Rule, Sig, register
 
 aten = torch.ops.aten
@@ -37,8 +38,7 @@ def _target_dim(d: int, cd: int) -> int:
 
 
 def _nll(call: Call) -> list[Sig]:
-    x, t, w = call.args[:3]
-    red = call.arg(3, "reduction")
+    x, t, w, red, _ = named_args(call, 5)
     cd = _class_dim(x)
     vals = (x, t, w)
     # total_weight of reduction none (with a batch) is 0 on every device
@@ -57,7 +57,7 @@ def _nll(call: Call) -> list[Sig]:
 
 
 def _nll_backward(call: Call) -> list[Sig]:
-    g, x, t, w, red, _, tw = call.args[:7]
+    g, x, t, w, red, _, tw = named_args(call, 7)
     cd = _class_dim(x)
     vals = (g, x, t, w, tw)
     sigs = []
@@ -88,7 +88,7 @@ def _nll_local(self_pos: int):
             return lambda ctx, *args, **kwargs: func(*args, **kwargs)
 
         def run(ctx, *args, **kwargs):
-            args = [*args, *(kwargs[a.name] for a in func._schema.arguments[len(args) :] if a.name in kwargs)]
+            args = [*args, *(kwargs[n] for n in schema.of(func).names[len(args):] if n in kwargs)]
             x = args[self_pos]
             lo = ctx.in_specs[self_pos].local_offset(ctx.pos)[cd]
             ti, ii = self_pos + 1, self_pos + 4  # target; ignore_index
@@ -179,64 +179,3 @@ def _mse_backward_local(call: Call, ins, outs):
 
 register(aten.mse_loss.default, Rule(_mse, local=_mse_local, name="mse_loss"))
 register(aten.mse_loss_backward.default, Rule(_mse_backward, local=_mse_backward_local, name="mse_loss_backward"))
-
-
-# -- validator samples ------------------------------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G)
-
-
-def _t(n: int, *shape, ignore: int | None = None, hits: int = 2):
-    t = torch.randint(0, n, shape, generator=_G)
-    if ignore is not None:
-        flat = t.view(-1)
-        flat[torch.randperm(flat.numel(), generator=_G)[:hits]] = ignore
-    return t
-
-
-def _nll_fwd_samples():
-    out = []
-    for red in (NONE, MEAN, SUM):
-        out += [
-            ((_r(5, 7), _t(7, 5, ignore=-100), None, red, -100), {}),
-            ((_r(7, 3), _t(3, 7, ignore=1), _r(3).abs(), red, 1), {}),
-            ((_r(7), _t(7), _r(7).abs(), red, -100), {}),
-        ]
-    out.append(((_r(2, 5), _t(5, 2, ignore=-100, hits=2), None, MEAN, -100), {}))  # everything ignored: nan
-    return out
-
-
-def _nll_bwd_samples(fwd, x_shape, t_shape, classes):
-    out = []
-    for red in (NONE, MEAN, SUM):
-        for weight, ignore in ((None, -100), (_r(classes).abs(), 2)):
-            x, t = _r(*x_shape), _t(classes, *t_shape, ignore=ignore)
-            loss, total = fwd(x, t, weight, red, ignore)
-            out.append(((_r(*loss.shape), x, t, weight, red, ignore, total), {}))
-    return out
-
-
-SAMPLES = {
-    aten.nll_loss_forward.default: _nll_fwd_samples,
-    aten.nll_loss_backward.default: lambda: [
-        *_nll_bwd_samples(aten.nll_loss_forward.default, (5, 7), (5,), 7),
-        *_nll_bwd_samples(aten.nll_loss_forward.default, (7,), (), 7)[:2],
-    ],
-    aten.nll_loss2d_forward.default: lambda: (
-        [((_r(3, 5, 2, 3), _t(5, 3, 2, 3, ignore=-100, hits=3), None, red, -100), {}) for red in (NONE, MEAN, SUM)]
-        + [((_r(2, 3, 3, 1), _t(3, 2, 3, 1, ignore=0), _r(3).abs(), MEAN, 0), {})]
-    ),
-    aten.nll_loss2d_backward.default: lambda: _nll_bwd_samples(
-        aten.nll_loss2d_forward.default, (3, 5, 2, 3), (3, 2, 3), 5
-    ),
-    aten.mse_loss.default: lambda: (
-        [((_r(5, 7), _r(5, 7), red), {}) for red in (NONE, MEAN, SUM)] + [((_r(2, 3), _r(2, 3)), {})]
-    ),
-    aten.mse_loss_backward.default: lambda: (
-        [((_r(5, 7), _r(5, 7), _r(5, 7), NONE), {})] + [((_r(), _r(7, 5), _r(7, 5), red), {}) for red in (MEAN, SUM)]
-    ),
-}

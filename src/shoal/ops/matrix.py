@@ -99,9 +99,12 @@ def _cdist_backward(call: Call) -> list[Sig]:
 
 
 register(aten._cdist_forward.default, Rule(_cdist, name="cdist"))
+
+
 def _cdist_backward_local(call: Call, ins, outs):
     """torch's kernel returns ``zeros_like(x1)``, without the broadcast batch dims, when a size is zero:
-    a shard without rows (of x1 or of x2) contributes nothing, zeros of its own shape."""
+    a shard without rows (of x1 or of x2) contributes nothing, zeros of its own shape. (Not
+    ``empty.pad_empty``: the kernel takes empty shards; only its result's shape is off.)"""
 
     def run(shard, grad, x1, x2, p, cdist):
         out = aten._cdist_backward.default(grad, x1, x2, p, cdist)

@@ -14,15 +14,12 @@ import math
 import torch
 
 from ..sbp import Broadcast, Partial, Split
+from .common import cast, compute_dtype, named_args, sig_of
+from .empty import pad_empty, pad_empty_local
 from .registry import Call, Rule, Sig, register
 
 aten = torch.ops.aten
 _B, _P = Broadcast(), Partial("sum")
-
-
-def sig_of(values, sbps) -> tuple:
-    """The SBPs of the arguments that hold tensors (optional tensor arguments may be None)."""
-    return tuple(s for v, s in zip(values, sbps) if isinstance(v, torch.Tensor))
 
 
 def _outs(mask, sbps) -> tuple:
@@ -33,14 +30,6 @@ def _split_dims(spec) -> set[int]:
     return {s.dim for s in spec.sbp if isinstance(s, Split)}
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _cast(t, dtype):
-    return t if t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
-
-
 # -- layer norm -------------------------------------------------------------------------------
 
 
@@ -49,21 +38,21 @@ def _ln_axis(x, normalized_shape) -> int:
 
 
 def _layer_norm(call: Call) -> list[Sig]:
-    x, shape, w, b = call.args[0], call.arg(1, "normalized_shape"), call.arg(2, "weight"), call.arg(3, "bias")
+    x, shape, w, b, _ = named_args(call, 5)
     axis = _ln_axis(x, shape)
     return [Sig(sig_of((x, w, b), (Split(d), _B, _B)), (Split(d),) * 3) for d in range(axis)]
 
 
 def _layer_norm_split_normalized(call: Call, specs) -> bool:
-    x = call.args[0]
-    axis = _ln_axis(x, call.arg(1, "normalized_shape"))
+    x, shape = named_args(call, 2)
+    axis = _ln_axis(x, shape)
     return math.prod(x.shape[axis:]) > 0 and any(d >= axis for d in _split_dims(specs[0]))
 
 
 def _normalize(x, dims, eps):
     """(x - mean) * rstd over ``dims`` with the mean, biased variance and rstd, in ops that have rules:
     over a split dim the means are local sums (Partial) reduced by those ops' own rules."""
-    xc = _cast(x, _compute_dtype(x.dtype))
+    xc = cast(x, compute_dtype(x.dtype))
     mean = aten.mean.dim(xc, dims, True)
     centered = aten.sub.Tensor(xc, mean)
     var = aten.mean.dim(aten.mul.Tensor(centered, centered), dims, True)
@@ -79,11 +68,11 @@ def _layer_norm_decomposition(x, normalized_shape, weight, bias, eps):
         out = aten.mul.Tensor(out, weight)
     if bias is not None:
         out = aten.add.Tensor(out, bias)
-    return _cast(out, x.dtype), _cast(mean, x.dtype), _cast(rstd, x.dtype)
+    return cast(out, x.dtype), cast(mean, x.dtype), cast(rstd, x.dtype)
 
 
 def _layer_norm_backward(call: Call) -> list[Sig]:
-    g, x, shape, mean, rstd, w, b, mask = call.args[:8]
+    g, x, shape, mean, rstd, w, b, mask = named_args(call, 8)
     axis = _ln_axis(x, shape)
     vals = (g, x, mean, rstd, w, b)
     sigs = [Sig(sig_of(vals, (Split(d),) * 4 + (_B, _B)), _outs(mask, (Split(d), _P, _P))) for d in range(axis)]
@@ -103,16 +92,16 @@ def _layer_norm_backward_local(call: Call, ins, outs):
 
 
 def _layer_norm_backward_split_normalized(call: Call, specs) -> bool:
-    x = call.args[1]
-    axis = _ln_axis(x, call.args[2])
+    _, x, shape = named_args(call, 3)
+    axis = _ln_axis(x, shape)
     return math.prod(x.shape[axis:]) > 0 and any(d >= axis for sp in specs[:2] for d in _split_dims(sp))
 
 
 def _layer_norm_backward_decomposition(g, x, normalized_shape, mean, rstd, weight, bias, mask):
     axis = _ln_axis(x, normalized_shape)
     dims, batch_dims = list(range(axis, x.ndim)), list(range(axis))
-    dt = _compute_dtype(x.dtype)
-    g, xc = _cast(g, dt), _cast(x, dt)
+    dt = compute_dtype(x.dtype)
+    g, xc = cast(g, dt), cast(x, dt)
     xhat = aten.mul.Tensor(aten.sub.Tensor(xc, mean), rstd)
     gi = gw = gb = None
     if mask[0]:
@@ -120,14 +109,14 @@ def _layer_norm_backward_decomposition(g, x, normalized_shape, mean, rstd, weigh
         a = aten.mean.dim(gx, dims, True)
         c = aten.mean.dim(aten.mul.Tensor(gx, xhat), dims, True)
         inner = aten.sub.Tensor(aten.sub.Tensor(gx, a), aten.mul.Tensor(xhat, c))
-        gi = _cast(aten.mul.Tensor(inner, rstd), x.dtype)
+        gi = cast(aten.mul.Tensor(inner, rstd), x.dtype)
     if mask[1]:
         gxh = aten.mul.Tensor(g, xhat)
         gw = aten.sum.dim_IntList(gxh, batch_dims) if batch_dims else gxh
-        gw = _cast(gw, weight.dtype)
+        gw = cast(gw, weight.dtype)
     if mask[2]:
         gb = aten.sum.dim_IntList(g, batch_dims) if batch_dims else aten.clone.default(g)
-        gb = _cast(gb, bias.dtype if bias is not None else x.dtype)
+        gb = cast(gb, bias.dtype if bias is not None else x.dtype)
     return gi, gw, gb
 
 
@@ -164,22 +153,10 @@ def _per_channel(t, c: int):
 
 def _bn_channel_split(call: Call) -> list[Sig]:
     """Training (no running stats) with the channel dim split: every statistic is per channel."""
-    x, w, b = call.args[0], call.args[1], call.args[2]
+    x, w, b = named_args(call, 3)
     if x.shape[1] <= 1:
         return []
     return [Sig(sig_of((x, w, b), (Split(1), Split(0), Split(0))), (Split(1), Split(0), Split(0)))]
-
-
-def _bn_local(call: Call, ins, outs):
-    """An empty shard (a chunk of an uneven split) gets empty outputs: the CPU kernel rejects it."""
-    func = call.func
-
-    def run(x, *args, **kwargs):
-        if x.numel() > 0:
-            return func(x, *args, **kwargs)
-        return x.clone(), x.new_zeros((x.shape[1],)), x.new_zeros((x.shape[1],))
-
-    return run
 
 
 def _non_channel_split(spec) -> bool:
@@ -215,7 +192,7 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, momentum, eps):
         unbiased = aten.mul.Tensor(aten.view.default(var, [c]), n / (n - 1) if n > 1 else math.inf)
         new = aten.add.Tensor(aten.mul.Tensor(unbiased, momentum), aten.mul.Tensor(running_var, 1 - momentum))
         aten.copy_.default(running_var, new)
-    return _cast(out, x.dtype), _cast(save_mean, x.dtype), _cast(save_rstd, x.dtype)
+    return cast(out, x.dtype), cast(save_mean, x.dtype), cast(save_rstd, x.dtype)
 
 
 def batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
@@ -223,18 +200,18 @@ def batch_norm_eval(x, weight, bias, running_mean, running_var, eps):
     The saved statistics are empty placeholders, as the CPU kernel returns them (its meta kernel says (C,),
     which is why eval is never run as a kernel under a rule)."""
     shape = _bn_shape(x)
-    xc = _cast(x, _compute_dtype(x.dtype))
+    xc = cast(x, compute_dtype(x.dtype))
     scale = aten.rsqrt.default(aten.add.Tensor(running_var, eps))
     if weight is not None:
         scale = aten.mul.Tensor(scale, weight)
     out = aten.mul.Tensor(aten.sub.Tensor(xc, aten.view.default(running_mean, shape)), aten.view.default(scale, shape))
     if bias is not None:
         out = aten.add.Tensor(out, aten.view.default(bias, shape))
-    return _cast(out, x.dtype), aten.new_zeros.default(x, [0]), aten.new_zeros.default(x, [0])
+    return cast(out, x.dtype), aten.new_zeros.default(x, [0]), aten.new_zeros.default(x, [0])
 
 
 def _has_stats(call: Call, training_arg: int) -> bool:
-    return training_arg == 5 and (call.args[3] is not None or call.args[4] is not None)
+    return training_arg == 5 and (call.arg(3, "running_mean") is not None or call.arg(4, "running_var") is not None)
 
 
 def _batch_norm(training_arg: int):
@@ -281,7 +258,8 @@ for _op, _training_arg in (
         _op,
         Rule(
             _batch_norm(_training_arg),
-            local=_bn_local,
+            local=pad_empty_local,  # the CPU kernel rejects an empty shard (a chunk of an uneven split)
+            local_ctx=True,
             decompose=_batch_norm_decompose(_training_arg),
             decomposition=_batch_norm_decomposition,
             name="batch_norm",
@@ -294,9 +272,7 @@ for _op, _training_arg in (
 
 
 def _bn_backward(call: Call) -> list[Sig]:
-    g, x = call.args[0], call.args[1]
-    rest = call.args[2:7]
-    train, mask = call.args[7], call.args[9]
+    g, x, *rest, train, _, mask = named_args(call, 10)  # rest: weight, running and saved statistics
     c = x.shape[1]
     vals = (g, x, *rest)
     sigs = []
@@ -312,32 +288,16 @@ def _bn_backward(call: Call) -> list[Sig]:
     return sigs
 
 
-def _bn_backward_local(call: Call, ins, outs):
-    func = call.func
-
-    def run(g, x, weight, rm, rv, save_mean, save_invstd, train, eps, mask):
-        if x.numel() > 0:
-            return func(g, x, weight, rm, rv, save_mean, save_invstd, train, eps, mask)
-        n = x.shape[1]
-        return (
-            x.new_zeros(x.shape) if mask[0] else None,
-            x.new_zeros((n,)) if mask[1] else None,
-            x.new_zeros((n,)) if mask[2] else None,
-        )
-
-    return run
-
-
 def _bn_backward_decompose(call: Call, specs) -> bool:
-    return bool(call.args[7]) and (_non_channel_split(specs[0]) or _non_channel_split(specs[1]))
+    return bool(call.arg(7, "train")) and (_non_channel_split(specs[0]) or _non_channel_split(specs[1]))
 
 
 def _bn_backward_decomposition(g, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask):
     """Training backward with the per-channel sums over the global batch (Partial, reduced by the ops' rules)."""
     c, dims, shape = x.shape[1], _bn_dims(x), _bn_shape(x)
     n = x.numel() // c
-    dt = _compute_dtype(x.dtype)
-    g, xc = _cast(g, dt), _cast(x, dt)
+    dt = compute_dtype(x.dtype)
+    g, xc = cast(g, dt), cast(x, dt)
     invstd = aten.view.default(save_invstd, shape)
     xhat = aten.mul.Tensor(aten.sub.Tensor(xc, aten.view.default(save_mean, shape)), invstd)
     sum_g = aten.sum.dim_IntList(g, dims)
@@ -347,16 +307,17 @@ def _bn_backward_decomposition(g, x, weight, running_mean, running_var, save_mea
         mean_g = aten.div.Tensor(aten.view.default(sum_g, shape), n)
         proj = aten.mul.Tensor(xhat, aten.div.Tensor(aten.view.default(sum_gx, shape), n))
         scale = aten.mul.Tensor(invstd, aten.view.default(weight, shape)) if weight is not None else invstd
-        gi = _cast(aten.mul.Tensor(aten.sub.Tensor(aten.sub.Tensor(g, mean_g), proj), scale), x.dtype)
+        gi = cast(aten.mul.Tensor(aten.sub.Tensor(aten.sub.Tensor(g, mean_g), proj), scale), x.dtype)
     wdt = weight.dtype if weight is not None else x.dtype
-    return gi, _cast(sum_gx, wdt) if mask[1] else None, _cast(sum_g, wdt) if mask[2] else None
+    return gi, cast(sum_gx, wdt) if mask[1] else None, cast(sum_g, wdt) if mask[2] else None
 
 
 register(
     aten.native_batch_norm_backward.default,
     Rule(
         _bn_backward,
-        local=_bn_backward_local,
+        local=pad_empty_local,
+        local_ctx=True,
         decompose=_bn_backward_decompose,
         decomposition=_bn_backward_decomposition,
         name="batch_norm_backward",
@@ -371,25 +332,23 @@ register(
 
 
 def _group_norm(call: Call) -> list[Sig]:
-    x, w, b = call.args[0], call.arg(1, "weight"), call.arg(2, "bias")
+    x, w, b = named_args(call, 3)
     return [Sig(sig_of((x, w, b), (Split(0), _B, _B)), (Split(0),) * 3)]
 
 
 def _group_norm_local(call: Call, ins, outs):
-    """The shard's own batch size for N (an empty shard gets empty outputs)."""
+    """The shard's own batch size for N (an empty shard runs padded)."""
     func = call.func
 
     def run(x, weight, bias, n, c, hxw, group, eps):
-        if x.shape[0] == 0:
-            return x.clone(), x.new_zeros((0, group)), x.new_zeros((0, group))
         return func(x, weight, bias, x.shape[0], c, hxw, group, eps)
 
-    return run
+    return pad_empty(run)
 
 
 def _not_batch_split(*which: int):
     def pred(call: Call, specs) -> bool:
-        return call.args[which[0]].numel() > 0 and any(d != 0 for i in which for d in _split_dims(specs[i]))
+        return call.ins[which[0]].numel() > 0 and any(d != 0 for i in which for d in _split_dims(specs[i]))
 
     return pred
 
@@ -409,16 +368,15 @@ def _group_norm_decomposition(x, weight, bias, n, c, hxw, group, eps):
         out = aten.mul.Tensor(out, aten.view.default(weight, _channel_shape(x)))
     if bias is not None:
         out = aten.add.Tensor(out, aten.view.default(bias, _channel_shape(x)))
-    return (_cast(out, x.dtype), _cast(aten.view.default(mean, [n, group]), x.dtype),
-            _cast(aten.view.default(rstd, [n, group]), x.dtype))
+    return (cast(out, x.dtype), cast(aten.view.default(mean, [n, group]), x.dtype),
+            cast(aten.view.default(rstd, [n, group]), x.dtype))
 
 
 # native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
 
 
 def _group_norm_backward(call: Call) -> list[Sig]:
-    g, x, mean, rstd, w = call.args[:5]
-    mask = call.args[9]
+    g, x, mean, rstd, w, *_, mask = named_args(call, 10)
     vals = (g, x, mean, rstd, w)
     return [
         Sig(sig_of(vals, (Split(0),) * 4 + (_B,)), _outs(mask, (Split(0), _P, _P))),
@@ -430,17 +388,14 @@ def _group_norm_backward_local(call: Call, ins, outs):
     func = call.func
 
     def run(g, x, mean, rstd, weight, n, c, hxw, group, mask):
-        if x.shape[0] > 0:
-            return func(g, x, mean.contiguous(), rstd.contiguous(), weight, x.shape[0], c, hxw, group, mask)
-        return (x.new_zeros(x.shape) if mask[0] else None, x.new_zeros((c,)) if mask[1] else None,
-                x.new_zeros((c,)) if mask[2] else None)
+        return func(g, x, mean.contiguous(), rstd.contiguous(), weight, x.shape[0], c, hxw, group, mask)
 
-    return run
+    return pad_empty(run)
 
 
 def _group_norm_backward_decomposition(g, x, mean, rstd, weight, n, c, hxw, group, mask):
-    dt = _compute_dtype(x.dtype)
-    gc, xc = _cast(g, dt), _cast(x, dt)
+    dt = compute_dtype(x.dtype)
+    gc, xc = cast(g, dt), cast(x, dt)
     stat = [n, group, 1]
     xhat = aten.mul.Tensor(aten.sub.Tensor(_grouped(xc, n, group), aten.view.default(mean, stat)),
                            aten.view.default(rstd, stat))
@@ -454,109 +409,22 @@ def _group_norm_backward_decomposition(g, x, mean, rstd, weight, n, c, hxw, grou
         b = aten.mean.dim(aten.mul.Tensor(gxg, xhg), [2], True)
         inner = aten.sub.Tensor(aten.sub.Tensor(gxg, a), aten.mul.Tensor(xhg, b))
         gi = aten.reshape.default(aten.mul.Tensor(inner, aten.view.default(rstd, stat)), list(x.shape))
-        gi = _cast(gi, x.dtype)
+        gi = cast(gi, x.dtype)
     wdt = weight.dtype if weight is not None else x.dtype
     if mask[1]:
-        gw = _cast(aten.sum.dim_IntList(aten.mul.Tensor(gc, xhat), dims), wdt)
+        gw = cast(aten.sum.dim_IntList(aten.mul.Tensor(gc, xhat), dims), wdt)
     if mask[2]:
-        gb = _cast(aten.sum.dim_IntList(gc, dims), wdt)
+        gb = cast(aten.sum.dim_IntList(gc, dims), wdt)
     return gi, gw, gb
 
 
 register(
     aten.native_group_norm.default,
-    Rule(_group_norm, local=_group_norm_local, decompose=_not_batch_split(0),
+    Rule(_group_norm, local=_group_norm_local, local_ctx=True, decompose=_not_batch_split(0),
          decomposition=_group_norm_decomposition, name="group_norm"),
 )
 register(
     aten.native_group_norm_backward.default,
-    Rule(_group_norm_backward, local=_group_norm_backward_local, decompose=_not_batch_split(0, 1),
+    Rule(_group_norm_backward, local=_group_norm_backward_local, local_ctx=True, decompose=_not_batch_split(0, 1),
          decomposition=_group_norm_backward_decomposition, name="group_norm_backward"),
 )
-
-
-# -- validator samples ------------------------------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G)
-
-
-def _var(n):
-    return torch.rand(n, generator=_G) + 0.5
-
-
-def _ln_bwd(shape, normalized, affine=True, bias=True, mask=(True, True, True)):
-    x = _r(*shape)
-    w = _r(*normalized) if affine else None
-    b = _r(*normalized) if affine and bias else None
-    _, mean, rstd = aten.native_layer_norm.default(x, normalized, w, b, 1e-5)
-    return (_r(*shape), x, normalized, mean, rstd, w, b, list(mask)), {}
-
-
-def _bn_bwd(shape, train, affine=True, stats=True, mask=(True, True, True)):
-    x, c = _r(*shape), shape[1]
-    w = _r(c) if affine else None
-    rm, rv = (_r(c), _var(c)) if stats else (None, None)
-    _, sm, si = aten.native_batch_norm.default(
-        x, w, None, None if rm is None else rm.clone(), None if rv is None else rv.clone(), train, 0.1, 1e-5
-    )
-    return (_r(*shape), x, w, rm, rv, sm, si, train, 1e-5, list(mask)), {}
-
-
-# Few tensor inputs of few dims: the validator samples layouts of decomposing ops from their full product.
-# Eval forward is always decomposed, and not sampled here: the registry's all-Broadcast signature would run the
-# kernel, whose placeholder outputs are (0,) on CPU where its meta kernel says (C,). tests/test_nn_rules.py has it.
-def _gn_bwd(shape, group, affine=True, mask=(True, True, True)):
-    x, c = _r(*shape), shape[1]
-    w = _r(c) if affine else None
-    hxw = math.prod(shape[2:])
-    _, mean, rstd = aten.native_group_norm.default(x, w, None, shape[0], c, hxw, group, 1e-5)
-    return (_r(*shape), x, mean, rstd, w, shape[0], c, hxw, group, list(mask)), {}
-
-
-SAMPLES = {
-    aten.native_group_norm.default: lambda: [
-        ((_r(5, 6, 3), _r(6), _r(6), 5, 6, 3, 2, 1e-5), {}),
-        ((_r(3, 4, 2, 3), None, None, 3, 4, 6, 4, 1e-5), {}),
-        ((_r(7, 4), _r(4), None, 7, 4, 1, 1, 1e-5), {}),
-    ],
-    aten.native_group_norm_backward.default: lambda: [
-        _gn_bwd((5, 6, 3), 2),
-        _gn_bwd((3, 4, 2, 3), 4, affine=False, mask=(True, False, False)),
-        _gn_bwd((7, 4), 1, mask=(True, False, True)),
-    ],
-    aten.native_layer_norm.default: lambda: [
-        ((_r(5, 7), [7], _r(7), _r(7), 1e-5), {}),
-        ((_r(3, 5, 6), [5, 6], _r(5, 6), None, 1e-5), {}),
-        ((_r(2, 7), [7], None, None, 1e-5), {}),
-        ((_r(3, 5), [3, 5], _r(3, 5), _r(3, 5), 1e-5), {}),
-    ],
-    aten.native_layer_norm_backward.default: lambda: [
-        _ln_bwd((5, 7), [7], bias=False, mask=(True, True, False)),
-        _ln_bwd((3, 5, 6), [6], affine=False, mask=(True, False, False)),
-        _ln_bwd((2, 7), [7], affine=False, mask=(True, False, False)),
-        _ln_bwd((3, 5), [3, 5], affine=False, mask=(True, False, False)),
-    ],
-    aten.native_batch_norm.default: lambda: [
-        ((_r(5, 3, 4), _r(3), _r(3), _r(3), _var(3), True, 0.1, 1e-5), {}),
-        ((_r(7, 5), None, None, _r(5), _var(5), True, 0.3, 1e-5), {}),
-        ((_r(5, 3, 2, 3), _r(3), None, None, None, True, 0.1, 1e-5), {}),
-    ],
-    aten._native_batch_norm_legit.default: lambda: [
-        ((_r(5, 3, 4), _r(3), _r(3), _r(3), _var(3), True, 0.1, 1e-5), {}),
-        ((_r(7, 2), None, None, _r(2), _var(2), True, 0.1, 1e-5), {}),
-    ],
-    aten._native_batch_norm_legit.no_stats: lambda: [
-        ((_r(5, 3, 4), _r(3), _r(3), True, 0.1, 1e-5), {}),
-        ((_r(7, 5), None, None, True, 0.1, 1e-5), {}),
-    ],
-    aten.native_batch_norm_backward.default: lambda: [
-        _bn_bwd((7, 5), True, stats=False),
-        _bn_bwd((5, 3, 4), True, affine=False, stats=False, mask=(True, False, False)),
-        _bn_bwd((7, 3), False, affine=False, mask=(True, False, False)),
-        _bn_bwd((2, 5), False, affine=False, mask=(True, False, False)),
-    ],
-}

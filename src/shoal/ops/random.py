@@ -66,27 +66,3 @@ register(
     Rule(decompose=lambda call, specs: True, decomposition=_native_dropout, check_nd=lambda *a: False,
          name="native_dropout"),
 )
-
-
-def _r(*shape):
-    return torch.randn(shape)
-
-
-# validator samples (shoal.ops.validate): random ops are checked for equal values under the same seed
-SAMPLES = {
-    aten.bernoulli_.float: lambda: [((_r(5, 7), 0.3), {})],
-    aten.uniform_.default: lambda: [((_r(5, 7), -1.0, 2.0), {})],
-    aten.normal_.default: lambda: [((_r(7, 3),), {})],
-    aten.exponential_.default: lambda: [((_r(5, 3),), {})],
-    aten.cauchy_.default: lambda: [((_r(5, 3),), {}), ((_r(7, 2), 1.0, 2.0), {})],
-    aten.geometric_.default: lambda: [((_r(5, 3), 0.3), {})],
-    aten.log_normal_.default: lambda: [((_r(5, 3),), {}), ((_r(3, 7), 0.5, 0.25), {})],
-    aten.random_.default: lambda: [((_r(5, 3),), {})],
-    getattr(aten.random_, "from"): lambda: [((_r(5, 3), 2, 9), {})],
-    aten.random_.to: lambda: [((_r(5, 3), 9), {})],
-    aten.rand_like.default: lambda: [((_r(5, 7),), {})],
-    aten.randn_like.default: lambda: [((_r(5, 7),), {})],
-    aten.randint_like.default: lambda: [((_r(5, 7), 10), {})],
-    aten.randint_like.low_dtype: lambda: [((_r(5, 7), -3, 10), {})],
-    aten.native_dropout.default: lambda: [((_r(5, 7), 0.4, True), {}), ((_r(5, 7), 0.4, False), {})],
-}

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Broadcast, Partial, Split
-from .normalization import sig_of
+from .common import named_args, sig_of
+from .empty import pad_empty
 from .registry import Call, Rule, Sig, register
 
 aten = torch.ops.aten
@@ -32,15 +33,15 @@ _SEQ, _ROW = Split(1), Split(0)
 
 
 def _forward(call: Call) -> list[Sig]:
-    if call.args[8]:  # packed
+    if call.arg(8, "batch_sizes"):  # packed
         return []
     return [Sig((_SEQ, _B, _B, _B, _B, _ROW, _ROW), (_SEQ, _ROW, _ROW, _B))]
 
 
 def _backward(call: Call) -> list[Sig]:
-    if call.args[20]:
+    if call.arg(20, "batch_sizes"):
         return []
-    ins = sig_of(call.args[:13], (_SEQ, _B, _B, _B, _B, _ROW, _ROW, _SEQ, _ROW, _ROW, _SEQ, _ROW, _ROW)) + (_B,)
+    ins = sig_of(named_args(call, 13), (_SEQ, _B, _B, _B, _B, _ROW, _ROW, _SEQ, _ROW, _ROW, _SEQ, _ROW, _ROW)) + (_B,)
     return [Sig(ins, (_SEQ, _P, _P, _P, _P, _ROW, _ROW))]
 
 
@@ -54,30 +55,26 @@ def _empty_workspace(x):
 
 
 def _forward_local(call: Call, ins, outs):
-    """The shard's forward, its workspace dropped (the backward rebuilds it)."""
+    """The shard's forward, its workspace dropped (the backward rebuilds it); an empty shard runs padded."""
     func = call.func
 
     def run(x, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden, layers, biases, bidir, batch_first,
             train):
-        if hx.shape[0] == 0:
-            return (x.new_zeros((*x.shape[:-1], hidden)), hx.clone(), cx.clone(), _empty_workspace(x))
         x, hx, cx = _dense(x, hx, cx)
         out, hy, cy, _ = func(x, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden, layers, biases,
                               bidir, batch_first, train)
         return out, hy, cy, _empty_workspace(x)
 
-    return run
+    return pad_empty(run)
 
 
 def _backward_local(call: Call, ins, outs):
-    """Reruns the shard's forward for oneDNN's workspace, then its backward."""
+    """Reruns the shard's forward for oneDNN's workspace, then its backward; an empty shard runs padded
+    (zero gradients in, zero gradients out)."""
     func = call.func
 
     def run(x, w0, w1, w2, w3, hx, cx, out, hy, cy, g_out, g_hy, g_cy, reverse, mode, hidden, layers, biases,
             train, bidir, batch_sizes, batch_first, workspace):
-        if hx.shape[0] == 0:
-            return (x.new_zeros(x.shape), *(aten.zeros_like.default(w) for w in (w0, w1, w2, w3)),
-                    hx.new_zeros(hx.shape), cx.new_zeros(cx.shape))
         x, hx, cx, out, hy, cy, g_out, g_hy, g_cy = _dense(x, hx, cx, out, hy, cy, g_out, g_hy, g_cy)
         with torch.enable_grad():  # the kernel makes no workspace with grad mode off, as in a backward
             workspace = aten.mkldnn_rnn_layer.default(x, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode,
@@ -85,44 +82,9 @@ def _backward_local(call: Call, ins, outs):
         return func(x, w0, w1, w2, w3, hx, cx, out, hy, cy, g_out, g_hy, g_cy, reverse, mode, hidden, layers,
                     biases, train, bidir, batch_sizes, batch_first, workspace)
 
-    return run
+    return pad_empty(run)
 
 
-register(aten.mkldnn_rnn_layer.default, Rule(_forward, local=_forward_local, name="lstm_layer"))
-register(aten.mkldnn_rnn_layer_backward.default, Rule(_backward, local=_backward_local, name="lstm_layer_backward"))
-
-
-# -- validator samples ------------------------------------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G)
-
-
-def _layer_args(n: int, reverse: bool, batch_first: bool, t: int = 4, c: int = 3, h: int = 2):
-    """(input, 4 weights, hx, cx, reverse, batch_sizes, mode=LSTM, hidden, layers, biases, bidirectional,
-    batch_first, train)"""
-    return (_r(t, n, c), _r(4 * h, c), _r(4 * h, h), _r(4 * h), _r(4 * h), _r(n, h), _r(n, h),
-            reverse, [], 2, h, 1, True, False, batch_first, True)
-
-
-def _forward_samples():
-    # the workspace (output 3) is oneDNN's: the backward's samples check it through the gradients
-    return [(_layer_args(n, rev, bf), {"opaque": (3,)}) for n, rev, bf in ((5, False, False), (5, True, True),
-                                                                           (2, False, True))]
-
-
-def _backward_samples():
-    out = []
-    for n, rev, with_state_grads in ((5, False, True), (2, True, False), (7, False, False)):
-        a = _layer_args(n, rev, True)
-        o, hy, cy, ws = aten.mkldnn_rnn_layer.default(*a)
-        grads = (_r(*o.shape), _r(*hy.shape), _r(*cy.shape)) if with_state_grads else (_r(*o.shape), None, None)
-        out.append(((*a[:7], o, hy, cy, *grads, rev, 2, 2, 1, True, True, False, [], True, ws), {}))
-    return out
-
-
-SAMPLES = {aten.mkldnn_rnn_layer.default: _forward_samples,
-           aten.mkldnn_rnn_layer_backward.default: _backward_samples}
+register(aten.mkldnn_rnn_layer.default, Rule(_forward, local=_forward_local, local_ctx=True, name="lstm_layer"))
+register(aten.mkldnn_rnn_layer_backward.default,
+         Rule(_backward, local=_backward_local, local_ctx=True, name="lstm_layer_backward"))

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ..sbp import Partial, Split
+from .empty import pad_empty_local
 from .registry import Call, Rule, Sig, register
 
 aten = torch.ops.aten
@@ -144,22 +145,6 @@ def _std_decomposition(x, dim=None, *, correction=None, keepdim=False):
     return aten.sqrt.default(_var_decomposition(x, dim, correction=correction, keepdim=keepdim))
 
 
-def _moment_local(call: Call, ins, outs):
-    """An empty shard of a kept dim (an uneven split) has an empty result: made without the kernel,
-    which would warn that it has no degrees of freedom."""
-    func = call.func
-    dims, keepdim = reduced_dims(call)
-    with_mean = len(call.outs) == 2  # var_mean, std_mean
-
-    def run(x, *args, **kwargs):
-        if x.numel() == 0 and any(x.shape[d] == 0 for d in range(x.ndim) if d not in dims):
-            empty = aten.sum.dim_IntList(x, list(dims), keepdim)
-            return (empty, empty.clone()) if with_mean else empty
-        return func(x, *args, **kwargs)
-
-    return run
-
-
 def _var_mean_decomposition(x, dim=None, *, correction=None, keepdim=False):
     return (_var_decomposition(x, dim, correction=correction, keepdim=keepdim),
             aten.mean.dim(x, _dims(x, dim), keepdim))
@@ -170,7 +155,9 @@ def _std_mean_decomposition(x, dim=None, *, correction=None, keepdim=False):
     return aten.sqrt.default(var), mean
 
 
-_MOMENT = {"decompose": _split_reduced, "local": _moment_local, "name": "var"}
+# an empty shard of a kept dim (an uneven split) runs padded: on no elements the kernel would warn that it
+# has no degrees of freedom
+_MOMENT = {"decompose": _split_reduced, "local": pad_empty_local, "local_ctx": True, "name": "var"}
 register(aten.var.correction, Rule(_kept_splits, decomposition=_var_decomposition, **_MOMENT))
 register(aten.std.correction, Rule(_kept_splits, decomposition=_std_decomposition, **_MOMENT))
 register(aten.var_mean.correction, Rule(_kept_splits, decomposition=_var_mean_decomposition, **_MOMENT))

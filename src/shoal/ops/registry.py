@@ -16,7 +16,7 @@ import torch
 
 from ..sbp import SBP, Broadcast, NdSBP, Partial, Split
 
-__all__ = ["Sig", "Call", "Rule", "register", "lookup", "registered_ops", "all_sbps", "expand"]
+__all__ = ["Sig", "Shard", "Call", "Rule", "register", "lookup", "registered_ops", "all_sbps", "expand"]
 
 _B = Broadcast()
 
@@ -27,6 +27,15 @@ class Sig:
 
     ins: tuple[SBP, ...]
     outs: tuple[SBP, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """What a context-taking local function (``Rule(local_ctx=True)``) learns about the shard it runs on."""
+
+    pos: int  # mesh position
+    in_specs: tuple  # TensorSpec per tensor input
+    out_specs: tuple  # TensorSpec per tensor output
 
 
 @dataclass(slots=True)

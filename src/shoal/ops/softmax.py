@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Broadcast, Partial, Split
+from .common import cast, compute_dtype
 from .registry import Call, Rule, Sig, register
 
 aten = torch.ops.aten
@@ -45,44 +46,36 @@ def _split_on_dim(i: int):
     return pred
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _cast(t, dtype):
-    return t if t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
-
-
 def _shifted(x, dim: int):
-    x = _cast(x, _compute_dtype(x.dtype))
+    x = cast(x, compute_dtype(x.dtype))
     return aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
 
 
 def _softmax_decomposition(x, dim: int, half_to_float: bool):
     e = aten.exp.default(_shifted(x, dim))
     out = aten.div.Tensor(e, aten.sum.dim_IntList(e, [dim], True))
-    return _cast(out, torch.float32 if half_to_float else x.dtype)
+    return cast(out, torch.float32 if half_to_float else x.dtype)
 
 
 def _log_softmax_decomposition(x, dim: int, half_to_float: bool):
     s = _shifted(x, dim)
     lse = aten.log.default(aten.sum.dim_IntList(aten.exp.default(s), [dim], True))
-    return _cast(aten.sub.Tensor(s, lse), torch.float32 if half_to_float else x.dtype)
+    return cast(aten.sub.Tensor(s, lse), torch.float32 if half_to_float else x.dtype)
 
 
 def _softmax_backward_decomposition(grad, out, dim: int, input_dtype: torch.dtype):
-    dt = _compute_dtype(grad.dtype)
-    grad, out = _cast(grad, dt), _cast(out, dt)
+    dt = compute_dtype(grad.dtype)
+    grad, out = cast(grad, dt), cast(out, dt)
     gy = aten.mul.Tensor(grad, out)
     gi = aten.sub.Tensor(gy, aten.mul.Tensor(out, aten.sum.dim_IntList(gy, [dim], True)))
-    return _cast(gi, input_dtype)
+    return cast(gi, input_dtype)
 
 
 def _log_softmax_backward_decomposition(grad, out, dim: int, input_dtype: torch.dtype):
-    dt = _compute_dtype(grad.dtype)
-    grad, out = _cast(grad, dt), _cast(out, dt)
+    dt = compute_dtype(grad.dtype)
+    grad, out = cast(grad, dt), cast(out, dt)
     gi = aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), aten.sum.dim_IntList(grad, [dim], True)))
-    return _cast(gi, input_dtype)
+    return cast(gi, input_dtype)
 
 
 # _safe_softmax (attention's math path): rows of -inf give 0; split dims other than ``dim`` are local
@@ -108,45 +101,3 @@ register(
         name="softmax_backward",
     ),
 )
-
-
-# -- validator samples ------------------------------------------------------------------------
-
-_G = torch.Generator().manual_seed(0)
-
-
-def _r(*shape):
-    return torch.randn(shape, generator=_G)
-
-
-def _bwd(op, shape, dim):
-    y = op(_r(*shape), dim, False)
-    return (_r(*shape), y, dim, torch.float32), {}
-
-
-SAMPLES = {
-    aten._safe_softmax.default: lambda: [
-        ((torch.tensor([[0.0, -float("inf")], [-float("inf"), -float("inf")], [1.0, 2.0]]), 1), {}),
-        ((_r(5, 7), 0), {}),
-    ],
-    aten._softmax.default: lambda: [
-        ((_r(5, 7), 1, False), {}),
-        ((_r(5, 7), 0, False), {}),
-        ((_r(3, 2, 7), -1, False), {}),
-    ],
-    aten._log_softmax.default: lambda: [
-        ((_r(5, 7), 1, False), {}),
-        ((_r(7, 3), 0, False), {}),
-        ((_r(2, 5, 3), 1, False), {}),
-    ],
-    aten._softmax_backward_data.default: lambda: [
-        _bwd(aten._softmax.default, (5, 7), 1),
-        _bwd(aten._softmax.default, (5, 7), 0),
-        _bwd(aten._softmax.default, (3, 2, 7), -1),
-    ],
-    aten._log_softmax_backward_data.default: lambda: [
-        _bwd(aten._log_softmax.default, (5, 7), 1),
-        _bwd(aten._log_softmax.default, (7, 3), 0),
-        _bwd(aten._log_softmax.default, (2, 5, 3), 1),
-    ],
-}

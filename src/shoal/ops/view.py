@@ -275,14 +275,20 @@ def _as_strided_local(call: Call, ins, outs):
         offset = storage_offset or 0
         if full.stride() == strides or full.numel() <= 1:
             return full.as_strided(size, stride, full.storage_offset() + offset)
-        extent = 1 + sum((n - 1) * st for n, st in zip(full.shape, strides) if n > 0)
-        need = 1 + offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
         fill = float("nan") if full.is_floating_point() or full.is_complex() else 0
-        buf = full.new_full((max(extent, need),), fill)
-        buf.as_strided(full.shape, strides).copy_(full)
+        buf, _ = _under_strides(full, strides, size, stride, offset, fill)
         return buf.as_strided(size, stride, offset)
 
     return run
+
+
+def _under_strides(full, strides, size, stride, offset, fill):
+    """(a buffer, ``full`` laid out in it under ``strides``): long enough for that and for
+    ``as_strided(size, stride, offset)``; elements neither addresses hold ``fill``."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(full.shape, strides) if n > 0)
+    need = 1 + offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
+    buf = full.new_full((max(extent, need),), fill)
+    return buf, buf.as_strided(full.shape, strides).copy_(full)
 
 
 register(aten.slice.Tensor, Rule(_slice, name="slice"))
@@ -368,11 +374,7 @@ def _as_strided_scatter_local(call: Call, ins, outs):
 
     def run(full, src, size, stride, storage_offset=None):
         offset = storage_offset or 0
-        extent = 1 + sum((n - 1) * st for n, st in zip(full.shape, strides) if n > 0)
-        need = 1 + offset + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
-        buf = full.new_zeros((max(extent, need),))
-        out = buf.as_strided(full.shape, strides)
-        out.copy_(full)
+        buf, out = _under_strides(full, strides, size, stride, offset, 0)
         buf.as_strided(size, stride, offset).copy_(src)
         return out
 

@@ -209,20 +209,14 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: Mesh, axis: st
     return optimizer.register_step_post_hook(shard_state)
 
 
-_POLICY = torch.optim.Optimizer._process_value_according_to_param_policy
-
-
-def _onto_param(param, value, *args, **kwargs):
-    """``Optimizer.load_state_dict`` casts each loaded state tensor to its parameter's dtype and
-    device; a GlobalTensor saved under another plan (another mesh) also moves onto the parameter's
-    mesh, in its layout where the shapes match (ZeRO's hook splits it again after the next step)."""
-    out = _POLICY(param, value, *args, **kwargs)
-    if isinstance(param, GlobalTensor) and isinstance(out, GlobalTensor) and out.mesh != param.mesh:
-        out = onto_mesh_of(out, param)
-    return out
-
-
-torch.optim.Optimizer._process_value_according_to_param_policy = staticmethod(_onto_param)
+def onto_param_mesh(param, value):
+    """A loaded optimizer state tensor for ``param``: ``Optimizer.load_state_dict`` casts each to its
+    parameter's dtype and device (``value``); a GlobalTensor saved under another plan (another mesh)
+    also moves onto the parameter's mesh, in its layout where the shapes match (ZeRO's hook splits it
+    again after the next step). ``shoal.torch_patches`` installs it."""
+    if isinstance(param, GlobalTensor) and isinstance(value, GlobalTensor) and value.mesh != param.mesh:
+        return onto_mesh_of(value, param)
+    return value
 
 
 def memory_per_device(*groups) -> dict[int, int]:
