@@ -19,10 +19,10 @@ import shoal
 from shoal import B, Mesh, P, Partial, S
 from shoal.boxing import plan
 from shoal.sbp import Broadcast, Split, normalize_sbp
+from shoal.testing import value_of_shards
 
 PMAX, PMIN = Partial("max"), Partial("min")
 COLLECTIVES = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all"}
-_REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 M1, M2, M3, M22 = [0], [0, 1], [0, 1, 2], [[0, 1], [2, 3]]
 M4 = [0, 1, 2, 3]
 
@@ -92,29 +92,6 @@ def _shards_of(v: torch.Tensor, mesh: Mesh, sbp, g: torch.Generator) -> list[tor
     return [at[c] for c in mesh.coords]
 
 
-def _value_of(shards, mesh: Mesh, sbp) -> torch.Tensor:
-    """The global value of ``shards`` by the SBP definitions; Broadcast copies must be equal."""
-    pos = {c: i for i, c in enumerate(mesh.coords)}
-
-    def rec(axis, coord):
-        if axis == mesh.ndim:
-            return shards[pos[coord]]
-        parts = [rec(axis + 1, (*coord, i)) for i in range(mesh.shape[axis])]
-        s = sbp[axis]
-        if isinstance(s, Split):
-            return torch.cat(parts, s.dim)
-        if isinstance(s, Broadcast):
-            for q in parts[1:]:
-                torch.testing.assert_close(q, parts[0], rtol=0, atol=0, msg="Broadcast copies differ")
-            return parts[0]
-        acc = parts[0]
-        for q in parts[1:]:
-            acc = _REDUCE[s.op](acc, q)
-        return acc
-
-    return rec(0, ())
-
-
 def _global(v: torch.Tensor, mesh: Mesh, sbp, seed: int = 0) -> shoal.GlobalTensor:
     g = torch.Generator().manual_seed(seed)
     shards = _shards_of(v, mesh, sbp, g)
@@ -134,7 +111,7 @@ def _check_layout(y: shoal.GlobalTensor, v: torch.Tensor) -> None:
         assert not isinstance(s, shoal.GlobalTensor)
         assert tuple(s.shape) == spec.local_shape(p), f"position {p}: {tuple(s.shape)} vs {spec.local_shape(p)}"
         assert s.dtype == spec.dtype
-    torch.testing.assert_close(_value_of(y._shards, y.mesh, y.sbp), v, rtol=0, atol=0)
+    torch.testing.assert_close(value_of_shards(y._shards, y.mesh, y.sbp), v, rtol=0, atol=0)
     torch.testing.assert_close(y.full(), v, rtol=0, atol=0)
 
 
@@ -144,10 +121,10 @@ def test_helpers_make_genuinely_partial_shards():
     v = _value((4, 5))
     for sbp in ([P, B], [B, PMAX], [PMIN, S(1)], [P, PMAX]):
         shards = _shards_of(v, mesh, sbp, torch.Generator().manual_seed(0))
-        torch.testing.assert_close(_value_of(shards, mesh, normalize_sbp(sbp, 2, 2)), v, rtol=0, atol=0)
+        torch.testing.assert_close(value_of_shards(shards, mesh, normalize_sbp(sbp, 2, 2)), v, rtol=0, atol=0)
         assert sum(not torch.equal(s, v) for s in shards) >= 2
     with pytest.raises(AssertionError):
-        _value_of([v, v + 1, v, v], mesh, (B, B))
+        value_of_shards([v, v + 1, v, v], mesh, (B, B))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,6 +744,6 @@ def test_partial_value_follows_writes_through_an_alias():
     x = _global(v, mesh, P, seed=6)
     torch.testing.assert_close(x.full(), v, rtol=0, atol=0)
     x.detach().mul_(2)
-    shards_value = _value_of(x._shards, mesh, x.sbp)
+    shards_value = value_of_shards(x._shards, mesh, x.sbp)
     torch.testing.assert_close((x * 1).full(), shards_value, rtol=0, atol=0)
     torch.testing.assert_close(x.full(), shards_value, rtol=0, atol=0)

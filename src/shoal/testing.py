@@ -20,7 +20,7 @@ from .sbp import SBP, Broadcast, NdSBP, Partial, Split, normalize_sbp, sbp_str
 from .tensor import GlobalTensor, from_local
 from .world import world
 
-__all__ = ["make_global", "layouts", "check", "assert_same_value"]
+__all__ = ["make_global", "layouts", "check", "assert_same_value", "value_of_shards"]
 
 
 def _noise(v: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -40,6 +40,33 @@ def _pieces(v: torch.Tensor, n: int, s: SBP, gen: torch.Generator) -> list[torch
     owner = torch.randint(0, n, v.shape, generator=gen)
     sign = -1 if s.op == "max" else 1
     return [torch.where(owner == i, v, v + sign * _noise(v, gen).abs()) for i in range(n)]
+
+
+_REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def value_of_shards(shards: Sequence, mesh: Mesh, sbp: NdSBP) -> torch.Tensor:
+    """The global value ``shards`` (one per mesh position) make up by the SBP definitions alone:
+    Split concatenates, Partial reduces, Broadcast copies must be equal (exactly)."""
+    pos = {c: i for i, c in enumerate(mesh.coords)}
+
+    def rec(axis, coord):
+        if axis == mesh.ndim:
+            return shards[pos[coord]]
+        parts = [rec(axis + 1, (*coord, i)) for i in range(mesh.shape[axis])]
+        s = sbp[axis]
+        if isinstance(s, Split):
+            return torch.cat(parts, s.dim)
+        if isinstance(s, Broadcast):
+            for q in parts[1:]:
+                torch.testing.assert_close(q, parts[0], rtol=0, atol=0, msg="Broadcast copies differ")
+            return parts[0]
+        acc = parts[0]
+        for q in parts[1:]:
+            acc = _REDUCE[s.op](acc, q)
+        return acc
+
+    return rec(0, ())
 
 
 def make_global(

@@ -1,11 +1,11 @@
-"""Lowering: the IR's ops become a physical plan of tasks and the registers between them.
+"""Lowering: the IR's ops become a ``LoweredPlan``: tasks, the thread each runs on, and what they pass.
 
 Per device, compute segments: runs of that device's ops between communication points; each
 collective is a task of its own; host work (``arange``, random draws, step counters) is host
-segments. Dependencies come from data and from every in-place write (read-after-write,
-write-after-read, write-after-write on the storage), within a piece and, for state, from one piece
-(micro-batch) to the next. Each segment is compiled to straight-line Python that frees every
-temporary at its last use.
+segments. Each task names the runtime thread that runs it (``Thread``). Dependencies come from
+data and from every in-place write (read-after-write, write-after-read, write-after-write on the
+storage), within a piece and, for state, from one piece (micro-batch) to the next. Each segment is
+compiled to straight-line Python that frees every temporary at its last use.
 """
 
 from __future__ import annotations
@@ -18,7 +18,21 @@ from ..world import world
 from .ir import Graph, Op, Ref, local_ids
 from .trace import DEVICE
 
-__all__ = ["Task", "Plan", "lower"]
+__all__ = ["Task", "Thread", "LoweredPlan", "lower"]
+
+
+@dataclass(frozen=True, slots=True)
+class Thread:
+    """The runtime thread a task runs on: ``dev`` d computes for device d, ``comm`` d runs the
+    collectives device d leads (None: this process owns no device of the group), ``host`` is the
+    caller's host work."""
+
+    kind: str  # "dev" | "comm" | "host"
+    device: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.device is None else f"{self.kind}{self.device}"
 
 
 @dataclass(eq=False)
@@ -32,6 +46,7 @@ class Task:
     exports: list = field(default_factory=list)  # Local ids others read
     run: object = None  # callable(list of imports) -> tuple of exports
     source: str = ""
+    thread: Thread = Thread("host")
 
     @property
     def name(self) -> str:
@@ -42,7 +57,10 @@ class Task:
 
 
 @dataclass(eq=False)
-class Plan:
+class LoweredPlan:
+    """What the actor runtime runs: the tasks, who makes each Local, and the state carried between
+    pieces. (``shoal.Plan`` is another thing: how a user lays out a model.)"""
+
     graph: Graph
     tasks: list
     producer: dict  # Local id -> task id
@@ -56,7 +74,7 @@ class Plan:
         return describe(self)
 
 
-def lower(g: Graph, backend: str | None = None) -> Plan:
+def lower(g: Graph, backend: str | None = None) -> LoweredPlan:
     w = world()
     local_devices = set(w.local_devices)
     tasks: list[Task] = []
@@ -144,7 +162,8 @@ def lower(g: Graph, backend: str | None = None) -> Plan:
     for t in tasks:
         t.exports = sorted(exported.get(t.id, ()))
         t.run = _compile(t, g, backend)
-    plan = Plan(g, tasks, producer, rebind, static, written, needed_out)
+        t.thread = _thread_of(t, w)
+    plan = LoweredPlan(g, tasks, producer, rebind, static, written, needed_out)
     plan.peak_bytes = _peak_bytes(g, tasks)
     return plan
 
@@ -214,6 +233,18 @@ def _cross_piece_deps(g, tasks, base, writer, readers, rebind, static) -> None:
         t.deps.discard((t.id, 0))
 
 
+def _thread_of(t: Task, w) -> Thread:
+    """Compute on its device's thread; a collective on the communication thread of the first device
+    of its group this process owns (collectives of disjoint groups run side by side); host work on
+    the caller's."""
+    if t.kind == "compute":
+        return Thread("dev", t.device)
+    if t.kind == "comm":
+        mine = [d for d in t.ops[0].devices if w.owns(d)]
+        return Thread("comm", min(mine) if mine else None)
+    return Thread("host")
+
+
 # -- code generation ------------------------------------------------------------------------------
 
 
@@ -241,11 +272,11 @@ def _comm_runner(t: Task, g: Graph):
     idx = [None if r is None else pos[r.id] for r in in_refs]
     out_ids = [None if r is None else r.id for r in op.outs]
     order = [out_ids.index(lid) for lid in t.exports]
-    fn, share = op.fn, op.share_out
+    fn, p2p, share = op.fn.run, op.fn.p2p, op.share_out  # the collective's eager function: run, not traced
 
     def run(ins):
         xs = [None if i is None else ins[i] for i in idx]
-        res = fn(devs, xs, *rest) if fn.__name__ != "transfer" else [fn(devs[0], devs[1], xs[0], *rest)]
+        res = [fn(devs[0], devs[1], xs[0], *rest)] if p2p else fn(devs, xs, *rest)
         if not share:
             seen = {id(x) for x in xs if x is not None}
             res = list(res)
@@ -374,7 +405,7 @@ def _peak_bytes(g: Graph, tasks) -> dict:
     return peak
 
 
-def describe(plan: Plan) -> str:
+def describe(plan: LoweredPlan) -> str:
     """The tasks, their dependencies (``@-1``: on the previous piece) and what they pass on."""
     lines = [f"plan: {len(plan.tasks)} tasks"]
     for t in plan.tasks:

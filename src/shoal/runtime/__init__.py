@@ -7,7 +7,8 @@ scheduler decides the order: firings are messages between actors, run by one thr
 compute and one per device for the collectives it leads (threads of the process, shared by every
 plan), so communication overlaps compute. The calling thread does the host work and its first
 device's compute while it waits. Every firing is kept in a timeline exportable as a
-Chrome/Perfetto trace.
+Chrome/Perfetto trace. Types: ``Actor`` (one per task), ``Register`` (a piece's exports), an
+import's source (``FromTask``, ``Carried``, ``Bound``), ``Dep``, ``Firing`` (a timeline entry).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Actor", "Runtime", "Firing"]
+from ..graph.lower import LoweredPlan, Task
+from ..world import world
+
+__all__ = ["Actor", "Runtime", "Firing", "Register", "FromTask", "Carried", "Bound", "Dep"]
 
 _SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many small ops starve the others
 
@@ -36,40 +40,84 @@ class Firing:
     end: float
 
 
-@dataclass(eq=False)
+@dataclass(slots=True)
+class Register:
+    """What a task's firing for one piece exported, and how many readers have yet to return it."""
+
+    outs: tuple
+    readers: int
+
+
+@dataclass(frozen=True, slots=True)
+class FromTask:
+    """An import made by another task in the same piece: its export number ``index``."""
+
+    actor: Actor
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Carried:
+    """State handed from piece to piece: piece 0 reads the bound ``lid``, piece k > 0 what piece k-1
+    of ``actor`` left there (its export number ``index``)."""
+
+    lid: int
+    actor: Actor
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """An import bound before the run (input, state, constant), or per piece for micro-batch inputs."""
+
+    lid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dep:
+    """Piece k fires after ``actor`` has finished piece k - ``offset`` (0: the same piece, 1: the previous)."""
+
+    actor: Actor
+    offset: int
+
+
+@dataclass(eq=False, slots=True)
 class Actor:
-    task: object  # lower.Task
-    thread: str
-    sources: list = field(default_factory=list)  # per import: ("static", lid) | ("task", actor, offset, index)
-    deps: list = field(default_factory=list)  # (actor id, offset)
-    dependents: set = field(default_factory=set)  # actor ids to re-check when this one finishes a piece
-    holders: list = field(default_factory=list)  # (actor id, offset): who reads my registers
+    task: Task
+    thread: str  # the thread's name, as the timeline shows it
+    sources: list = field(default_factory=list)  # per import: FromTask | Carried | Bound
+    deps: list = field(default_factory=list)  # Dep
+    dependents: list = field(default_factory=list)  # actors to re-check when this one finishes a piece
+    reads_same: int = 0  # imports of other actors that read my piece k in their piece k
+    reads_next: int = 0  # ... in their piece k + 1 (state carried)
     outputs: list = field(default_factory=list)  # (index in exports, Local id) the caller wants back
+    inbox: queue.SimpleQueue | None = None  # my thread's queue: where my firings go
     next: int = 0  # next piece to fire
     done: int = 0  # pieces finished
     freed: int = 0  # registers returned, in piece order
-    regs: dict = field(default_factory=dict)  # piece -> [exports, readers left]
+    regs: dict = field(default_factory=dict)  # piece -> Register
     busy: bool = False
 
 
 class Runtime:
-    def __init__(self, plan, registers: int = 2, timeout: float | None = None) -> None:
+    def __init__(self, plan: LoweredPlan, registers: int = 2, timeout: float | None = None) -> None:
         self.plan = plan
         self.registers = max(1, registers)
         self.timeout = timeout or float(os.environ.get("SHOAL_TIMEOUT", "600"))
         self.timeline: list[Firing] = []
         self._lock = threading.Lock()
-        self._actors = [Actor(t, _thread_of(t)) for t in plan.tasks]
+        self._actors = [Actor(t, t.thread.name) for t in plan.tasks]
         # The caller runs the host work and its first device's compute while it waits: a process
         # with one device computes on one thread, with no hand-offs (a second thread with its own
         # OpenMP team makes libgomp stop spinning between parallel regions, and every kernel then
         # pays a wake-up, eager torch in the same process included).
-        devs = {a.thread for a in self._actors if a.thread.startswith("dev")}
-        first = min(devs, key=lambda t: int(t[3:]), default=None)
+        devs = {t.thread for t in plan.tasks if t.thread.kind == "dev"}
+        first = min(devs, key=lambda th: th.device, default=None)
         self._devices = len(devs)
         self._mine: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues = {a.thread: self._mine if a.thread in (first, "host") else _queue(a.thread)
-                        for a in self._actors}
+        for a in self._actors:
+            th = a.task.thread
+            a.inbox = self._mine if th == first or th.kind == "host" else _queue(th.name, th.kind == "dev")
         self._run_id = 0  # firings queued for an earlier (failed) run are dropped
         self._running = 0  # firings being run now
         self._error = None
@@ -77,30 +125,32 @@ class Runtime:
 
     # -- wiring ---------------------------------------------------------------------------------
     def _wire(self) -> None:
-        plan = self.plan
+        plan, actors = self.plan, self._actors
         index = {t.id: {lid: i for i, lid in enumerate(t.exports)} for t in plan.tasks}
-        holders: dict[int, list] = {a.task.id: [] for a in self._actors}
-        for a in self._actors:
+        dependents: dict[int, set] = {a.task.id: set() for a in actors}
+        for a in actors:
             t = a.task
             for lid in t.imports:
                 src = plan.producer.get(lid)
-                if lid in plan.rebind:
-                    after = plan.rebind[lid]
-                    p = plan.producer.get(after)
-                    a.sources.append(("rebind", lid, p, index[p][after] if p is not None else after))
-                    if p is not None:
-                        holders[p].append((t.id, 1))
-                elif src is not None and src != t.id:
-                    a.sources.append(("task", src, 0, index[src][lid]))
-                    holders[src].append((t.id, 0))
-                else:
-                    a.sources.append(("static", lid))
-            a.deps = sorted(t.deps)
-            for d, _ in a.deps:
-                self._actors[d].dependents.add(t.id)
-        for a in self._actors:
-            a.holders = holders[a.task.id]
-        for a in self._actors:
+                after = plan.rebind.get(lid)
+                p = None if after is None else plan.producer.get(after)
+                if p is not None:
+                    a.sources.append(Carried(lid, actors[p], index[p][after]))
+                    actors[p].reads_next += 1
+                elif after is None and src is not None and src != t.id:
+                    a.sources.append(FromTask(actors[src], index[src][lid]))
+                    actors[src].reads_same += 1
+                else:  # bound before the run or per piece; so is state no task leaves behind
+                    a.sources.append(Bound(lid))
+            a.deps = [Dep(actors[d], off) for d, off in sorted(t.deps)]
+            for d, _ in t.deps:
+                dependents[d].add(t.id)
+        if any(a.reads_next for a in actors):
+            # state carried to the next piece stays in its register while that piece is made: with
+            # one register, a task reading its own (or a reader's) last state would wait for itself
+            self.registers = max(2, self.registers)
+        for a in actors:
+            a.dependents = [actors[d] for d in sorted(dependents[a.task.id])]
             a.outputs = [(i, lid) for i, lid in enumerate(a.task.exports) if lid in plan.returned]
 
     # -- running --------------------------------------------------------------------------------
@@ -167,41 +217,37 @@ class Runtime:
         for a in self._actors:
             if a.done < self._pieces:
                 lines.append(f"  {a.task.name}: done {a.done}/{self._pieces}, deps "
-                             f"{[(self._actors[d].task.name, o) for d, o in a.deps]}")
+                             f"{[(d.actor.task.name, d.offset) for d in a.deps]}")
         return "\n".join(lines)
 
     def _ready(self, a: Actor) -> bool:
         k = a.next
         if a.busy or k >= self._pieces:
             return False
-        for d, off in a.deps:
-            if k - off >= 0 and self._actors[d].done <= k - off:
+        for d in a.deps:
+            j = k - d.offset
+            if j >= 0 and d.actor.done <= j:
                 return False
         # a free register: not every one holds a piece someone still reads
-        return not (a.holders and k - self.registers >= a.freed)
+        return not ((a.reads_same or a.reads_next) and k - self.registers >= a.freed)
 
     def _try(self, a: Actor) -> None:
         if self._ready(a):
             a.busy = True
-            self._queues[a.thread].put((self, self._run_id, a, a.next))
+            a.inbox.put((self, self._run_id, a, a.next))
 
     def _inputs(self, a: Actor, k: int) -> list:
         out = []
         pp = self._per_piece[k] if self._per_piece else None
         for src in a.sources:
-            kind = src[0]
-            if kind == "task":
-                out.append(self._actors[src[1]].regs[k - src[2]][0][src[3]])
-            elif kind == "rebind" and k > 0 and src[2] is not None:
-                out.append(self._actors[src[2]].regs[k - 1][0][src[3]])
+            kind = type(src)
+            if kind is FromTask:
+                out.append(src.actor.regs[k].outs[src.index])
+            elif kind is Carried and k > 0:
+                out.append(src.actor.regs[k - 1].outs[src.index])
             else:
-                lid = src[1]
-                if pp is not None and lid in pp:
-                    out.append(pp[lid])
-                elif kind == "rebind" and k > 0:  # handed on through the static table
-                    out.append(self._results[k - 1].get(src[3], self._static[lid]))
-                else:
-                    out.append(self._static[lid])
+                lid = src.lid
+                out.append(pp[lid] if pp is not None and lid in pp else self._static[lid])
         return out
 
     def _drain(self) -> None:
@@ -242,45 +288,44 @@ class Runtime:
             if run_id != self._run_id:
                 return  # its run gave up waiting for it (a timeout) and another one started
             self.timeline.append(Firing(a.task.name, k, a.thread, t0 - self._t0, t1 - self._t0))
-            self._finish(a, k, ins, outs)
+            self._finish(a, k, outs)
 
-    def _finish(self, a: Actor, k: int, ins, outs) -> None:
+    def _finish(self, a: Actor, k: int, outs) -> None:
         a.busy = False
         a.next = k + 1
         a.done = k + 1
         for i, lid in a.outputs:
             self._results[k][lid] = outs[i]
-        readers = sum(1 for _, off in a.holders if k + off < self._pieces)
-        if readers:
-            a.regs[k] = [outs, readers]
-        else:
-            a.regs[k] = [outs, 0]
-            self._free(a, k)
+        readers = a.reads_same + (a.reads_next if k + 1 < self._pieces else 0)
+        a.regs[k] = Register(outs, readers)
+        if not readers:
+            self._free(a)
         # return the registers this firing read
         for src in a.sources:
-            if src[0] == "task":
-                self._release(self._actors[src[1]], k - src[2])
-            elif src[0] == "rebind" and k > 0 and src[2] is not None:
-                self._release(self._actors[src[2]], k - 1)
+            kind = type(src)
+            if kind is FromTask:
+                self._release(src.actor, k)
+            elif kind is Carried and k > 0:
+                self._release(src.actor, k - 1)
         self._left -= 1
         self._try(a)
         for d in a.dependents:
-            self._try(self._actors[d])
+            self._try(d)
 
     def _release(self, p: Actor, k: int) -> None:
         reg = p.regs.get(k)
         if reg is None:
             return
-        reg[1] -= 1
-        if reg[1] <= 0:
-            self._free(p, k)
+        reg.readers -= 1
+        if reg.readers <= 0:
+            self._free(p)
             self._try(p)
 
-    def _free(self, p: Actor, k: int) -> None:
+    def _free(self, p: Actor) -> None:
         """Registers come back in piece order (a piece's readers fire in piece order too)."""
         while p.freed < p.done:
             reg = p.regs.get(p.freed)
-            if reg is not None and reg[1] > 0:
+            if reg is not None and reg.readers > 0:
                 return
             p.regs.pop(p.freed, None)
             p.freed += 1
@@ -304,16 +349,15 @@ _QUEUES: dict[str, queue.SimpleQueue] = {}
 _QUEUES_LOCK = threading.Lock()
 
 
-def _queue(name: str) -> queue.SimpleQueue:
+def _queue(name: str, compute: bool) -> queue.SimpleQueue:
+    """The queue of thread ``name``, started on first use; a ``compute`` thread runs its kernels on a
+    share of the caller's intra-op threads (collectives and host work on one)."""
     with _QUEUES_LOCK:
         q = _QUEUES.get(name)
         if q is None:
-            from ..world import world
-
-            # CPU kernels on a worker use a share of the caller's intra-op threads (collectives and
-            # host work one): more OpenMP threads than cores make every team stop spinning
+            # more OpenMP threads than cores make every team stop spinning
             n = torch.get_num_threads()
-            share = _share(n, len(world().local_devices)) if name.startswith("dev") else 1
+            share = _share(n, len(world().local_devices)) if compute else 1
             q = _QUEUES[name] = queue.SimpleQueue()
             ready = threading.Event()
             threading.Thread(target=_serve, args=(q, share, ready), name=f"shoal-{name}", daemon=True).start()
@@ -335,17 +379,3 @@ def _serve(q: queue.SimpleQueue, threads: int, ready: threading.Event) -> None:
         rt, run_id, a, k = q.get()
         rt._fire(run_id, a, k)
         del rt, a  # hold no runtime between firings
-
-
-def _thread_of(t) -> str:
-    """Compute on its device's thread; a collective on the communication thread of the first device
-    of its group this process owns (collectives of disjoint groups run side by side); host work
-    ("host") on the caller's."""
-    if t.kind == "compute":
-        return f"dev{t.device}"
-    if t.kind == "comm":
-        from ..world import world
-
-        mine = [d for d in t.ops[0].devices if world().owns(d)]
-        return f"comm{min(mine)}" if mine else "comm"
-    return t.kind
