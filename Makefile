@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: demo test test-ops test-programs lint bench
+.PHONY: demo test test-ops test-programs lint bench bench-quick
 demo: $(STAMP)
 	$(PY) -m shoal.demo
 
@@ -27,7 +27,17 @@ test-programs: $(STAMP)
 	SHOAL_PROGRAMS=$${SHOAL_PROGRAMS:-2000} $(PY) -m pytest tests/test_programs.py
 
 lint: $(STAMP)
-	.venv/bin/ruff check src tests bench examples
+	.venv/bin/ruff check src tests bench
 
+# the benchmarks of the README's tables, at their settings (many minutes on 2 cores)
 bench: $(STAMP)
-	$(PY) bench/boxing.py
+	$(PY) bench/eager_overhead.py
+	$(PY) bench/graph_vs_eager.py
+	$(PY) bench/dp_vs_ddp.py
+
+# the same scripts in smoke runs (a few minutes): they run, the numbers mean little
+bench-quick: $(STAMP)
+	$(PY) bench/eager_overhead.py --iters 20 --repeats 1
+	$(PY) bench/graph_vs_eager.py --quick --only A,C
+	$(PY) bench/dp_vs_ddp.py --steps 2
+

@@ -2,6 +2,7 @@
 
 ``shoal train gpt|bert|resnet --devices 4 --mesh 2x2 --plan dp,tp --steps 100`` trains a bundled
 model on data made in code, laid out by the model's plan; see ``shoal train --help``.
+``shoal run`` launches a script, or ``-m shoal train ...``, on several processes (``launch``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import argparse
 import dataclasses
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
+from . import launch
 from . import train as training
 
 __all__ = ["main"]
@@ -35,6 +38,7 @@ def _setting(text: str) -> tuple[str, str]:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shoal", description="Train on many devices as if they were one.")
+    ap.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     d = training.TrainConfig()
     t = sub.add_parser(
@@ -85,28 +89,73 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _version() -> str:
+    try:
+        return version("shoal")
+    except PackageNotFoundError:  # run from a source tree that was never installed (PYTHONPATH=src)
+        return "unknown (not installed)"
+
+
+def _config(args: argparse.Namespace) -> training.TrainConfig:
+    # the train options are named as TrainConfig's fields
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(training.TrainConfig) if hasattr(args, f.name)}
+    return training.TrainConfig(**{**given, "model_args": dict(args.model_args)})
+
+
+def world_error(cfg: training.TrainConfig, processes: int, per_process: int | None) -> str | None:
+    """What is wrong with training ``cfg`` on ``processes`` processes of ``per_process`` devices each
+    (None: as many as divide ``cfg.devices`` evenly, plain torchrun), or None if nothing is."""
+    if cfg.plan == "none" or processes <= 1:
+        return None
+    if per_process is not None and cfg.devices != processes * per_process:
+        other = "" if cfg.devices % processes else f" (or shoal run --devices-per-process {cfg.devices // processes})"
+        return (
+            f"--devices {cfg.devices}, but {processes} processes x {per_process} device(s) per process make "
+            f"{processes * per_process}; give --devices {processes * per_process}{other}"
+        )
+    if per_process is None and cfg.devices % processes:
+        return f"--devices {cfg.devices} do not divide over {processes} processes; give a multiple of {processes}"
+    return None
+
+
+def check_launch(script: str, module: bool, args: list[str], processes: int | None, per_process: int) -> str | None:
+    """``shoal run``'s check before it starts any process: for ``-m shoal train ...``, the arguments
+    and the number of devices; None if fine or not a shoal command. ``processes`` None: not known."""
+    if not (module and script in ("shoal", "shoal.cli") and args[:1] == ["train"]):
+        return None
+    ns = parser().parse_args(args)  # a usage error exits here, with argparse's message
+    cfg = _config(ns)
+    try:
+        training.check(cfg)
+    except ValueError as e:
+        return str(e)
+    return None if processes is None else world_error(cfg, processes, per_process)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "run":  # shoal run -n P [--devices-per-process K] script.py args...
-        from .launch import main as run
-
-        return run(argv[1:])
+        return launch.main(argv[1:], check=check_launch)
     ap = parser()
     args = ap.parse_args(argv)
     if args.command is None:
         ap.print_help()
         return 2
-    # the train options are named as TrainConfig's fields
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(training.TrainConfig) if hasattr(args, f.name)}
-    cfg = training.TrainConfig(**{**given, "model_args": dict(args.model_args)})
+    cfg = _config(args)
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # under shoal run / torchrun: rank 0 reports and writes the run directory
         cfg = dataclasses.replace(cfg, progress=False, save=False)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of this process
     try:
         training.check(cfg)
+        if "RANK" in os.environ:  # under shoal run / torchrun: the devices must fit the processes
+            per_process = int(os.environ.get("SHOAL_DEVICES_PER_PROCESS", "0")) or None
+            problem = world_error(cfg, int(os.environ.get("WORLD_SIZE", "1")), per_process)
+            if problem:
+                raise ValueError(problem)
     except ValueError as e:
-        print(f"shoal train: error: {e}", file=sys.stderr)
+        if rank == 0:  # every rank finds the same mistake: say it once
+            print(f"shoal train: error: {e}", file=sys.stderr)
         return 2
     training.train(cfg)
     return 0

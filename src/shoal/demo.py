@@ -31,11 +31,18 @@ DEMO = TrainConfig(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shoal.demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=DEMO.steps)
-    ap.add_argument("--threads", type=int, default=DEMO.threads)
-    ap.add_argument("--check", type=int, default=3, help="steps retrained in plain torch and compared")
-    ap.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance against single-device")
+    ap = argparse.ArgumentParser(
+        prog="python -m shoal.demo",
+        description="make demo: a GPT trained on 4 virtual devices as a 2x2 mesh (data x tensor parallel), each "
+        "step a compiled graph; then its first steps retrained in plain single-device torch. Exits 1 unless "
+        "their losses agree and the loss fell.",
+    )
+    ap.add_argument("--steps", type=int, default=DEMO.steps, help="training steps (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=DEMO.threads, help="torch CPU threads (default %(default)s)")
+    ap.add_argument("--check", type=int, default=3,
+                    help="steps retrained in plain torch and compared (default %(default)s)")
+    ap.add_argument("--rtol", type=float, default=1e-4,
+                    help="relative tolerance against single-device (default %(default)s)")
     ap.add_argument("--eager", action="store_true", help="run the steps eagerly instead of as a compiled graph")
     args = ap.parse_args(argv)
 

@@ -260,8 +260,8 @@ def train(cfg: TrainConfig) -> Result:
         bar.close()
         seconds = time.perf_counter() - t0
         val_loss = _validate(model, batches, cfg.seed)
-    cov = coverage()
-    memory = memory_per_device(model, opt)
+        cov = coverage()
+        memory = _memory_with_gradients(model, opt, batches, cfg.seed) if shape is not None else {}
     sample = _sample(model, data, cfg) if cfg.model == "gpt" and cfg.sample > 0 else ""
     result = Result(
         losses, val_loss, seconds, params, memory, {str(k): v for k, v in cov.by_fallback.items()}, sample, None
@@ -281,6 +281,19 @@ def _validate(model: nn.Module, batches: Batches, seed: int) -> float:
     model.eval()
     x, y = batches("val", torch.Generator().manual_seed(seed + 10_000))
     return model(x, y)[1].item()
+
+
+def _memory_with_gradients(model: nn.Module, opt: torch.optim.Optimizer, batches: Batches, seed: int) -> dict[int, int]:
+    """Bytes per device of the parameters, gradients, buffers and optimizer state, all held at once
+    as right after a step's backward (a step's own ``zero_grad(set_to_none=True)`` frees the
+    gradients, and a compiled step never shows them): one more forward and backward, in eval mode
+    (no dropout draws, no BatchNorm statistics), no update; the gradients are dropped after."""
+    model.eval()
+    x, y = batches("val", torch.Generator().manual_seed(seed + 20_000))
+    model(x, y)[1].backward()
+    memory = memory_per_device(model, opt)
+    opt.zero_grad(set_to_none=True)
+    return memory
 
 
 def _sample(model: nn.Module, data: CharData, cfg: TrainConfig) -> str:
@@ -306,7 +319,14 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
     if shape is None:
         where = "plain torch on one device"
     else:
-        where = f"plan {cfg.plan} on mesh {'x'.join(map(str, shape))} ({cfg.devices} virtual devices)"
+        w = world()
+        kind = "virtual CPU" if w.device_type == "cpu" else w.device_type.upper()
+        k = w.devices_per_process
+        if w.processes > 1:
+            devices = f"{w.processes} processes x {k} {kind} device{'s' if k > 1 else ''} each"
+        else:
+            devices = f"{cfg.devices} {kind} devices"
+        where = f"plan {cfg.plan} on mesh {'x'.join(map(str, shape))} ({devices})"
         where += ", each step a compiled graph" if cfg.compile else ", eager"
     print(f"shoal train: {cfg.model} ({params / 1e6:.2f}M parameters; {mcfg})")
     print(f"  {where}; batch {cfg.batch}, {cfg.steps} steps, seed {cfg.seed}, {torch.get_num_threads()} thread(s)")
@@ -333,7 +353,7 @@ def _print_summary(cfg: TrainConfig, r: Result, cov) -> None:
     )
     if r.memory:
         mem = ", ".join(f"{d}: {_fmt_bytes(b)}" for d, b in sorted(r.memory.items()))
-        print(f"memory per device (parameters, gradients, buffers, optimizer state): {mem}")
+        print(f"memory per device (parameters, gradients, buffers, optimizer state; activations not counted): {mem}")
     if cfg.plan != "none":
         calls = sum(r.fallback.values())
         print(

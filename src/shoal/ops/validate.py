@@ -5,6 +5,7 @@ prints a table and exits non-zero on any mismatch.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -12,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, schema
 from ..mesh import Mesh
 from ..sbp import sbp_str
 from ..tensor import GlobalTensor
 from ..testing import assert_same_value, combinations, layouts, make_global
 from ..world import init, world
 from .registry import lookup, registered_ops
+from .samples import SAMPLES as FAMILY_SAMPLES
 
 aten = torch.ops.aten
 _G = torch.Generator().manual_seed(0)
@@ -237,14 +239,11 @@ SAMPLES: dict[torch._ops.OpOverload, Callable[[], list[Sample]]] = {
 
 
 def _family_samples() -> None:
-    """Family modules may keep their own samples as ``SAMPLES = {op: lambda: [(args, kwargs), ...]}``."""
-    from . import FAMILIES
-
-    for mod in FAMILIES:
-        for op, make in getattr(mod, "SAMPLES", {}).items():
-            if op in SAMPLES:
-                raise ValueError(f"validator samples for {op} are given twice")
-            SAMPLES[op] = lambda make=make: [S_(*a, **k) if isinstance(a, tuple) else a for a, k in make()]
+    """The rule families' samples (``samples.SAMPLES = {op: lambda: [(args, kwargs), ...]}``) join these."""
+    for op, make in FAMILY_SAMPLES.items():
+        if op in SAMPLES:
+            raise ValueError(f"validator samples for {op} are given twice")
+        SAMPLES[op] = lambda make=make: [S_(*a, **k) if isinstance(a, tuple) else a for a, k in make()]
 
 
 _family_samples()
@@ -287,9 +286,8 @@ def _tensors(obj) -> list:
 def _written(op, args) -> list:
     """The tensors of the arguments the op's schema says it writes (``Tensor(a!)``); what a kernel
     does to others (oneDNN's LSTM backward uses its workspace as scratch) is not the op's value."""
-    schema = op._schema.arguments
-    return [t for a, arg in zip(args, schema) if arg.alias_info is not None and arg.alias_info.is_write
-            for t in _tensors(a)]
+    written = {i for i, _ in schema.of(op).written}
+    return [t for i, a in enumerate(args) if i in written for t in _tensors(a)]
 
 
 def _out_sbps(out) -> list:
@@ -319,8 +317,7 @@ def validate_op(op, mesh: Mesh) -> tuple[int, list[str]]:
                 if outs is None:
                     got = op(*gargs, **sample.kwargs)
                 else:
-                    with dispatch.force(ins, outs):
-                        got = op(*gargs, **sample.kwargs)
+                    got = dispatch.dispatch(op, tuple(gargs), dict(sample.kwargs), forced=(ins, outs))
                     if _out_sbps(got) != list(outs):
                         raise AssertionError(f"output layouts {_out_sbps(got)} != signature {list(outs)}")
                 if sample.opaque:
@@ -343,10 +340,31 @@ def ops_to_validate() -> list:
     return sorted(ops, key=str)
 
 
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m shoal.ops.validate",
+        description="Check every signature of every registered op rule against single-device torch, on "
+        "meshes (1,), (2,), (3,), (2,2) with uneven shapes. Prints a table; exits 1 on any mismatch.",
+    )
+    ap.add_argument("ops", nargs="*", metavar="OP",
+                    help="check only the ops whose name contains OP, e.g. mm or aten.add (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the ops that can be checked, and exit")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    every = ops_to_validate()
+    if args.list:
+        print("\n".join(map(str, every)))
+        return 0
+    unknown = [a for a in args.ops if not any(a in str(op) for op in every)]
+    if unknown:
+        ap.error(f"no registered op matches {', '.join(map(repr, unknown))}; "
+                 "list them with: python -m shoal.ops.validate --list")
     meshes = _meshes()
-    ops = [op for op in ops_to_validate() if not argv or any(a in str(op) for a in argv)]
+    ops = [op for op in every if not args.ops or any(a in str(op) for a in args.ops)]
     missing = [op for op in ops if op not in SAMPLES]
     total_fail = 0
     t0 = time.perf_counter()

@@ -1,0 +1,100 @@
+"""The command line as a new user meets it: ``shoal`` (``python -m shoal``), ``shoal run``, the rule
+validator's ``python -m shoal.ops.validate``. Mistakes are one clear line and a non-zero exit status."""
+
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from shoal import cli
+from shoal.train import TrainConfig, train
+
+TIMEOUT = 120  # a check that is missing may start processes; never hang the suite on it
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=None if env is None else {**os.environ, **env})
+
+
+def lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def test_validate_unknown_op_is_an_error_naming_it():
+    p = run("-m", "shoal.ops.validate", "nosuchop")
+    assert p.returncode != 0
+    assert "nosuchop" in p.stderr and "--list" in p.stderr
+    assert "Traceback" not in p.stderr and "0 ops" not in p.stdout
+
+
+def test_validate_help_prints_usage_and_runs_nothing():
+    p = run("-m", "shoal.ops.validate", "--help")
+    assert p.returncode == 0
+    assert p.stdout.startswith("usage: python -m shoal.ops.validate")
+    assert "failure(s)" not in p.stdout
+
+
+def test_version():
+    p = run("-m", "shoal", "--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"shoal {version('shoal')}"
+
+
+@pytest.mark.parametrize("command", [("shoal", "run", "--help"), ("shoal", "train", "--help"),
+                                     ("shoal.demo", "--help")], ids=" ".join)
+def test_help_is_plain_text(command):
+    p = run("-m", *command)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: ")
+    assert "``" not in p.stdout and ":func:" not in p.stdout and ":class:" not in p.stdout
+
+
+def one_clear_line(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode != 0
+    assert "Traceback" not in p.stdout + p.stderr
+    assert lines(p.stderr) and len(lines(p.stderr)) == 1, p.stderr
+    return p.stderr
+
+
+def test_run_checks_train_devices_before_launching():
+    # 2 processes x 1 device, but shoal train's default is 4 devices
+    err = one_clear_line(run("-m", "shoal", "run", "-n", "2", "-m", "shoal", "train", "gpt", "--steps", "10"))
+    assert err.startswith("shoal run: error:") and "--devices 2" in err
+    assert run("-m", "shoal", "run", "-n", "2", "-m", "shoal", "train", "gpt", "--mesh", "2x2",
+               "--devices", "2").stderr.count("mesh 2x2 has 4 devices") == 1
+
+
+def test_train_under_torchrun_with_devices_not_fitting_is_one_line():
+    # as torchrun starts each rank: the check runs before torch.distributed is set up
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "SHOAL_DEVICES_PER_PROCESS": "1"}
+    err = one_clear_line(run("-m", "shoal", "train", "gpt", "--steps", "1", env=env))
+    assert err.startswith("shoal train: error:") and "2 processes x 1 device(s)" in err
+
+
+def test_world_error():
+    assert cli.world_error(TrainConfig(devices=4), 2, 1) is not None
+    assert "--devices-per-process 2" in cli.world_error(TrainConfig(devices=4), 2, 1)
+    assert cli.world_error(TrainConfig(devices=2), 2, 1) is None
+    assert cli.world_error(TrainConfig(devices=4), 2, 2) is None
+    assert cli.world_error(TrainConfig(devices=3), 2, None) is not None  # plain torchrun: must divide
+    assert cli.world_error(TrainConfig(devices=4), 2, None) is None
+    assert cli.world_error(TrainConfig(devices=4, plan="none"), 2, 1) is None  # each rank trains alone
+    assert cli.world_error(TrainConfig(devices=4), 1, 1) is None
+
+
+def test_check_launch_only_looks_at_shoal_train():
+    assert cli.check_launch("script.py", False, ["train", "gpt"], 2, 1) is None
+    assert cli.check_launch("shoal", True, ["train", "gpt"], None, 1) is None  # processes unknown (--nnodes 1:2)
+    assert cli.check_launch("shoal", True, ["train", "gpt"], 2, 1) is not None
+    assert cli.check_launch("shoal", True, ["train", "gpt", "--devices", "2"], 2, 1) is None
+
+
+def test_memory_per_device_counts_gradients():
+    # data parallel AdamW: every device holds the parameters, their gradients and two moments
+    cfg = TrainConfig(model="gpt", plan="dp", devices=4, steps=1, batch=4, save=False, verbose=False,
+                      progress=False, sample=0, model_args={"n_layer": 1, "n_embd": 32, "block_size": 16})
+    r = train(cfg)
+    assert r.memory == {d: 4 * r.params * 4 for d in range(4)}
