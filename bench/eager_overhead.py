@@ -1,8 +1,10 @@
 """Eager overhead per op: plain torch vs shoal vs PyTorch DTensor, side by side from one run.
 
 Same small ops, same layout (inputs split on dim 0 of a one-device mesh, weights replicated) for
-shoal and DTensor (world of one process, gloo); shoal also on 2 and 4 virtual devices.
-Overhead = time per op minus plain torch's. Medians over repeats; torch.set_num_threads(1).
+shoal and DTensor (world of one process, gloo); shoal also on 2 and 4 virtual devices. The floor
+beside them: a do-nothing ``__torch_dispatch__`` wrapper subclass (unwrap, run the op, wrap), the
+least any tensor subclass costs. Overhead = time per op minus plain torch's. Medians over repeats;
+torch.set_num_threads(1).
 Usage: python bench/eager_overhead.py [--iters N] [--repeats R]
 """
 
@@ -16,9 +18,32 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 import shoal
 from shoal import B, S
+
+
+class Wrapper(torch.Tensor):
+    """A tensor subclass that does nothing: each op unwraps, runs on the inner tensor, wraps."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, strides=inner.stride(),
+                                                   requires_grad=inner.requires_grad)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    __slots__ = ("inner",)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args = [a.inner if type(a) is Wrapper else a for a in args]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            return Wrapper(out)
+        return tree_map(lambda o: Wrapper(o) if isinstance(o, torch.Tensor) else o, out)
 
 
 def per_op_us(fn, iters: int, repeats: int) -> float:
@@ -81,6 +106,7 @@ def main() -> None:
 
     columns = {
         "torch": workloads(*tensors(lambda t, k: t)),
+        "do-nothing": workloads(*tensors(lambda t, k: Wrapper(t))),
         "shoal 1 dev": workloads(*tensors(to_shoal(1))),
         "DTensor 1 dev": workloads(*tensors(to_dtensor)),
         "shoal 2 dev": workloads(*tensors(to_shoal(2))),
@@ -97,6 +123,8 @@ def main() -> None:
         cells = [f"{results[c][op]:13.1f}" for c in columns]
         ratio = (results["shoal 1 dev"][op] - base) / max(results["DTensor 1 dev"][op] - base, 1e-9)
         print(f"| {op:16s} | " + " | ".join(cells) + f" | {ratio:22.2f} |")
+    floor = statistics.median(results["do-nothing"][op] - results["torch"][op] for op in ops)
+    print(f"do-nothing wrapper overhead (median over ops): {floor:.1f} us per op")
     print("overhead = time - torch; target: shoal 1 dev overhead <= 1/3 of DTensor's (ratio <= 0.33)")
     dist.destroy_process_group()
 

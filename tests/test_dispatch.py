@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._decomp import decomposition_table
 
 import shoal
 from shoal import B, P, S
@@ -12,21 +13,29 @@ from shoal import dispatch as D
 from shoal.testing import assert_same_value, make_global
 
 
-def test_decisions_are_cached(meshes):
+def test_decisions_are_cached(meshes, monkeypatch):
+    """A decision is computed once per key: ``_DECISIONS`` grows by one on every cache miss (and
+    only then), so repeated calls must not grow it. An empty cache for this test: the first call
+    must decide, whatever earlier tests decided."""
     mesh = meshes[(2,)]
     x, y = shoal.to_global(torch.randn(5, 3), mesh, S(0)), shoal.to_global(torch.randn(5, 3), mesh, S(0))
-    x + y
+    monkeypatch.setattr(D, "_CACHE", {})
+    decided = len(D._DECISIONS)
+    assert_same_value(x + y, x.full() + y.full())
+    assert len(D._DECISIONS) > decided  # the counter counts
+    decided = len(D._DECISIONS)
     n = len(D._CACHE)
     for _ in range(3):
         x + y
     assert len(D._CACHE) == n
+    assert len(D._DECISIONS) == decided, "a repeated call computed its decision again"
 
 
 def test_fallback_is_correct_warns_once_and_is_listed(meshes):
     mesh = meshes[(2, 2)]
     aten = torch.ops.aten
     op = aten._embedding_bag.default  # F.embedding_bag; its backward is _embedding_bag_backward
-    assert shoal.ops.lookup(op) is None and op not in D.decomposition_table
+    assert shoal.ops.lookup(op) is None and op not in decomposition_table
     v, rows, offsets = torch.randn(9, 3), torch.tensor([1, 4, 4, 8, 0, 2]), torch.tensor([0, 2, 5])
     shoal.coverage(reset=True)
     x = make_global(v, mesh, [S(0), P], requires_grad=True)

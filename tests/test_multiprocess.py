@@ -104,3 +104,11 @@ def test_compiled_step_across_processes_matches_eager(tmp_path):
     assert code == 0, out[-4000:]
     for r in range(2):
         assert f"OK rank {r} of 2 x 2 devices" in out
+
+
+@pytest.mark.multiprocess
+def test_a_mesh_makes_no_process_group_until_a_collective_needs_it():
+    code, out, _ = shoal_run(4, 1, "groups_worker.py", timeout=120)
+    assert code == 0, out[-4000:]
+    for r, groups in enumerate(["[(0, 1, 3)]", "[(0, 1, 3), (1, 2)]", "[(1, 2)]", "[(0, 1, 3)]"]):
+        assert f"GROUPS OK rank {r}: {groups}" in out, out[-4000:]

@@ -580,3 +580,13 @@ def test_global_tensor_metadata():
     assert x.mesh == mesh and x.sbp == (S(0), B)
     assert "sbp=[S(0), B]" in repr(x)
     assert shoal.to_global(torch.zeros(2), Mesh([0, 1]), B, requires_grad=True).requires_grad
+
+
+def test_devices_sharing_gpus_map_round_robin():
+    """shoal.init(share_gpus=True): several virtual devices per GPU (no GPU needed to check the map)."""
+    from shoal.world import World
+
+    w = World(processes=1, devices_per_process=4, rank=0, device_type="cuda", gpus=2)
+    assert [w.torch_device(d) for d in range(4)] == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
+    one_each = World(processes=2, devices_per_process=2, rank=1, device_type="cuda", local_rank=1)
+    assert [one_each.torch_device(d) for d in (2, 3)] == [torch.device("cuda", 2), torch.device("cuda", 3)]

@@ -18,8 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import boxing
-from .sbp import Partial
+from . import boxing, schema
 
 __all__ = ["ViewOf", "Step", "effects", "link", "wrote", "check_overlap", "become_view", "assign", "write_shards",
            "replaced"]
@@ -39,16 +38,7 @@ class Step(NamedTuple):
 
     def bound(self) -> dict:
         """Every argument after ``self`` by schema name, defaults filled in."""
-        out = {}
-        kw = dict(self.kwargs)
-        for i, a in enumerate(self.func._schema.arguments[1:]):
-            if i < len(self.args):
-                out[a.name] = self.args[i]
-            elif a.name in kw:
-                out[a.name] = kw[a.name]
-            elif a.has_default_value():
-                out[a.name] = a.default_value
-        return out
+        return schema.bind(self.func, self.args, dict(self.kwargs), start=1)
 
 
 class ViewOf(NamedTuple):
@@ -60,19 +50,12 @@ class ViewOf(NamedTuple):
 # -- what an op does to memory, from its schema --------------------------------------------------
 
 
-@functools.cache
+@functools.cache  # asked on every op
 def effects(func) -> tuple[bool, tuple[tuple[int, str], ...]]:
-    """(whether ``func`` returns views of its first argument (``Tensor(a) self -> Tensor(a)``),
-    (position, name) of every argument it writes in place (``Tensor(a!)``, ``Tensor(a!)[]``))."""
-    schema = func._schema
-    written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
-                    if a.alias_info is not None and a.alias_info.is_write)
-    first = schema.arguments[0].alias_info if schema.arguments else None
-    view = not written and bool(schema.returns) and first is not None and not first.is_write
-    # a composite "may alias" op (reshape, flatten, resolve_conj) is a view only where its parts are:
-    # the view ops it decomposes into link themselves
-    composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
-    return view and not composite, written
+    """(whether ``func`` returns views of its first argument, (position, name) of every argument it
+    writes in place)."""
+    sc = schema.of(func)
+    return sc.view, sc.written
 
 
 # -- making views ----------------------------------------------------------------------------------
@@ -164,7 +147,7 @@ def become_view(t, out) -> None:
     else:
         t._view = out._view
         _add(t._view.root, t)
-    t._spec, t._shards, t._resolved = out._spec, out._shards, None
+    t._set_shards(out._shards, out._spec)
 
 
 def replaced(t) -> None:
@@ -187,8 +170,8 @@ def replaced(t) -> None:
 def write_shards(dst, shards: tuple, spec) -> None:
     """Write the value whose shards in layout ``spec`` are ``shards`` into ``dst``'s own shards, in
     ``dst``'s layout (nothing else is told: the caller keeps the group consistent)."""
-    dst._resolved = None
     own = dst._shards
+    dst._set_shards(own)  # written in place below
     if shards is own:
         return
     if spec.sbp != dst._spec.sbp or spec.mesh != dst._spec.mesh:
@@ -197,8 +180,8 @@ def write_shards(dst, shards: tuple, spec) -> None:
     first: dict = {}
     for p in positions:
         q = first.setdefault(id(own[p]), p)
-        if q != p and shards[p] is not shards[q] and _partial(dst._spec.sbp):
-            return _unshare(dst, shards, positions)
+        if q != p and shards[p] is not shards[q] and dst._spec.has_partial:
+            return _unshare(dst, shards)
     done = set()
     for p in positions:
         d, s = own[p], shards[p]
@@ -209,22 +192,14 @@ def write_shards(dst, shards: tuple, spec) -> None:
             d.copy_(s)
 
 
-def _partial(sbp) -> bool:
-    return any(isinstance(s, Partial) for s in sbp)
-
-
-def _unshare(t, shards: tuple, positions) -> None:
+def _unshare(t, shards: tuple) -> None:
     """Devices that shared memory (a Partial's zeros) now hold different pieces: ``t`` gets memory
-    of its own, and the views that aliased its old memory become copies (refreshed on writes)."""
-    t._shards = tuple(None if s is None else s.clone() for s in shards)
-    v = t._view
-    if v is not None and v.aliased:
-        t._view = ViewOf(v.root, v.chain, False)
-    root = t if v is None else v.root
-    for m in _live(root):
-        mv = m._view
-        if m is not t and mv.aliased:
-            m._view = ViewOf(mv.root, mv.chain, False)
+    of its own, and the views of its group that aliased memory become copies (refreshed on writes)."""
+    t._set_shards(None if s is None else s.clone() for s in shards)
+    root = t if t._view is None else t._view.root
+    for m in (t, *_live(root)):
+        if m._view is not None and m._view.aliased:
+            m._view = m._view._replace(aliased=False)
 
 
 def assign(dst, src) -> None:
@@ -245,7 +220,7 @@ def wrote(t) -> None:
     table = root._members
     if not table:
         return
-    root._resolved = None
+    root._set_shards(root._shards)
     live = {}
     for k, r in table.items():
         if (m := r()) is not None:
@@ -255,12 +230,12 @@ def wrote(t) -> None:
         m = r()
         if m is None:
             continue
-        m._resolved = None
+        m._set_shards(m._shards)
         mv = m._view
         if m is not t and not mv.aliased:
             r = _replay(root, mv.chain)
             if _repeats_elements(m):  # an expanded copy takes no writes: it holds the new expansion
-                m._shards = r._shards_as(m._spec)
+                m._set_shards(r._shards_as(m._spec))
             else:
                 assign(m, r)
 

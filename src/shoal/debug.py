@@ -46,12 +46,12 @@ def _diverged(what: str, rule: str, lines: list[str]) -> RuntimeError:
     return RuntimeError(f"shoal (SHOAL_DEBUG): the processes diverged at op #{_SEEN[0]} ({what}): {rule}:\n{body}")
 
 
-def check_op(func, args, kwargs) -> None:
-    """All processes run ``func`` on the same layouts, with the same values in plain tensors."""
-    from .tensor import GlobalTensor
+def check_op(func, args, kwargs, global_type: type) -> None:
+    """All processes run ``func`` on the same layouts, with the same values in plain tensors
+    (``global_type``: GlobalTensor, which this module, below it, does not import)."""
 
     def describe(a):
-        if isinstance(a, GlobalTensor):
+        if isinstance(a, global_type):
             return ("global", tuple(a.shape), str(a.dtype), sbp_str(a._spec.sbp), a._spec.mesh.devices)
         if isinstance(a, torch.Tensor):
             return _plain(a)

@@ -10,11 +10,7 @@ from functools import cached_property
 
 from .world import world
 
-__all__ = ["Mesh", "ON_NEW_MESH"]
-
-# called with every new Mesh (the multi-process backend creates its process groups here)
-ON_NEW_MESH: list = []
-
+__all__ = ["Mesh"]
 
 def _flatten(devices) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if hasattr(devices, "tolist"):
@@ -68,8 +64,6 @@ class Mesh:
         object.__setattr__(self, "devices", flat)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axes", axes)
-        for hook in ON_NEW_MESH:
-            hook(self)
 
     def __hash__(self) -> int:
         return self._hash

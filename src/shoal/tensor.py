@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from . import boxing, comm, debug
-from . import dispatch as _dispatch
-from .dispatch import dispatch
+from .errors import value_read
 from .mesh import Mesh
 from .sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from .spec import TensorSpec
@@ -49,6 +48,16 @@ class GlobalTensor(torch.Tensor):
         param = getattr(self, "_is_param", False)
         return _unpickle, (self._spec, self._shards, self.stride(), self.requires_grad, param)
 
+    def _set_shards(self, shards, spec: TensorSpec | None = None, resolved=None) -> None:
+        """The one way a GlobalTensor's memory or layout changes: ``shards`` (laid out as ``spec``,
+        default its own layout) become its shards, or its shards were written in place (``shards``
+        are its own); what was derived from the old ones (``_shards_as``'s memo) is dropped, or
+        set to ``resolved`` (graph mode putting back what a trace stood in for)."""
+        if spec is not None:
+            self._spec = spec
+        self._shards = tuple(shards)
+        self._resolved = resolved
+
     def _shards_as(self, dst: TensorSpec) -> tuple:
         """This value's shards in layout ``dst`` (boxing if needed).
 
@@ -74,7 +83,7 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
+        return _dispatch_op(func, args, kwargs or {})
 
     # -- layout -------------------------------------------------------------------------------
     @property
@@ -114,8 +123,6 @@ class GlobalTensor(torch.Tensor):
     def _host_value(self, what: str) -> torch.Tensor:
         full = self.full()
         if full.device.type == "meta":  # graph mode's trace: the values do not exist yet
-            from .graph.trace import value_read
-
             raise value_read(f"GlobalTensor.{what}()")
         return full
 
@@ -164,7 +171,19 @@ class GlobalTensor(torch.Tensor):
         return self._shards[pos[0]]
 
 
-_dispatch._GT = GlobalTensor
+
+
+def _not_installed(func, args, kwargs):
+    raise RuntimeError(f"shoal: {func} on a GlobalTensor before shoal.dispatch is imported (import shoal)")
+
+
+_dispatch_op = _not_installed  # what runs every ATen op on GlobalTensors: shoal.dispatch installs itself
+
+
+def install_dispatch(fn) -> None:
+    """Make ``fn(func, args, kwargs)`` run every ATen op on GlobalTensors (``shoal.dispatch``, at import)."""
+    global _dispatch_op
+    _dispatch_op = fn
 _DEVICE: dict = {}
 
 
@@ -284,17 +303,8 @@ def _scatter_full(t: torch.Tensor, spec: TensorSpec) -> GlobalTensor:
     contiguous memory (the GlobalTensor's strides are contiguous, ``t``'s need not be: a slice, a
     transpose).
     """
-    mesh = spec.mesh
-    w = world()
-    copies: dict = {}
-    shards = [None] * mesh.size
-    for p in mesh.local_positions:
-        dev = w.torch_device(mesh.devices[p])
-        if dev not in copies:
-            copies[dev] = t.detach().to(dev, memory_format=torch.contiguous_format, copy=True)
-        shards[p] = copies[dev]
-    rep = spec.with_sbp((Broadcast(),) * mesh.ndim)
-    return GlobalTensor._make(spec, boxing.box(tuple(shards), rep, spec))
+    rep = spec.with_sbp((Broadcast(),) * spec.mesh.ndim)
+    return GlobalTensor._make(spec, boxing.box(comm.place(t, spec.mesh, copy=True), rep, spec))
 
 
 def to_global(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["World", "init", "world", "is_initialized"]
+__all__ = ["World", "init", "world", "is_initialized", "shutdown", "FAILED_KEY"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,8 @@ class World:
     rank: int
     device_type: str  # "cpu" or "cuda"
     local_rank: int = 0  # this process's index on its host (picks its GPUs)
+    timeout: float = 60.0  # seconds a collective waits for a peer before it fails
+    gpus: int = 0  # one process's devices share this many GPUs (0: a GPU each)
 
     @property
     def size(self) -> int:
@@ -43,6 +45,8 @@ class World:
         if self.device_type == "cpu":
             return torch.device("cpu")
         k = self.devices_per_process
+        if self.gpus:  # several virtual devices per GPU, round robin
+            return torch.device(self.device_type, (device % k) % self.gpus)
         return torch.device(self.device_type, self.local_rank * k + device % k)
 
     def check(self, device: int) -> None:
@@ -57,14 +61,17 @@ class World:
 _WORLD: World | None = None
 
 
-def init(devices: int | None = None, device_type: str | None = None, timeout: float | None = None) -> World:
+def init(devices: int | None = None, device_type: str | None = None, timeout: float | None = None,
+         share_gpus: bool = False) -> World:
     """Set up the world.
 
     One process (default): ``devices`` virtual devices (default ``$SHOAL_DEVICES`` or 1). Under
     torchrun / ``shoal run`` (``RANK``, ``WORLD_SIZE`` set): one process per rank, each owning
     ``$SHOAL_DEVICES_PER_PROCESS`` devices (or ``devices`` // processes), over torch.distributed
     (gloo on CPU, NCCL on CUDA) with a ``timeout`` in seconds (default ``$SHOAL_TIMEOUT`` or 60)
-    after which a collective whose peer died fails instead of hanging.
+    after which a collective whose peer died fails instead of hanging. ``share_gpus`` (one process,
+    cuda): more devices than GPUs, spread round robin over the GPUs (several virtual devices on one
+    GPU, as on one CPU).
     """
     global _WORLD
     if device_type is None:
@@ -79,11 +86,15 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
         devices = int(os.environ.get("SHOAL_DEVICES", "1"))
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"shoal.init: devices must be a positive int, got {devices!r}")
+    gpus = 0
     if device_type == "cuda" and devices > torch.cuda.device_count():
-        raise ValueError(
-            f"shoal.init: asked for {devices} cuda devices but this process sees {torch.cuda.device_count()}"
-        )
-    _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type=device_type)
+        if not share_gpus or torch.cuda.device_count() == 0:
+            raise ValueError(
+                f"shoal.init: asked for {devices} cuda devices but this process sees {torch.cuda.device_count()}; "
+                "pass share_gpus=True to put several devices on one GPU"
+            )
+        gpus = torch.cuda.device_count()
+    _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type=device_type, gpus=gpus)
     return _WORLD
 
 
@@ -109,17 +120,52 @@ def _init_distributed(devices, device_type: str, processes: int, timeout) -> Wor
                 f"but this host has {torch.cuda.device_count()}"
             )
         torch.cuda.set_device(local_rank * k)
-    from .comm.dist import install_failure_report, shutdown
-
+    secs = float(timeout if timeout is not None else os.environ.get("SHOAL_TIMEOUT", "60"))
     if not dist.is_initialized():
         import atexit
 
-        secs = float(timeout if timeout is not None else os.environ.get("SHOAL_TIMEOUT", "60"))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=secs))
         atexit.register(shutdown)
 
-    install_failure_report(rank)
-    return World(processes=processes, devices_per_process=k, rank=rank, device_type=device_type, local_rank=local_rank)
+    _install_failure_report(rank)
+    return World(processes=processes, devices_per_process=k, rank=rank, device_type=device_type, local_rank=local_rank,
+                 timeout=secs)
+
+
+# where a process that fails reports its error (the rendezvous store), for the others' messages
+FAILED_KEY = "shoal/failed/{}"
+
+
+def _install_failure_report(rank: int) -> None:
+    """An uncaught error in this process is written to the rendezvous store, so that the other
+    ranks' failing collectives can name this rank."""
+    import contextlib
+    import sys
+
+    import torch.distributed as dist
+
+    prev = sys.excepthook
+
+    def hook(tp, val, tb):
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._get_default_store().set(FAILED_KEY.format(rank), f"{tp.__name__}: {val}"[:500])
+        prev(tp, val, tb)
+
+    sys.excepthook = hook
+
+
+def shutdown() -> None:
+    """Destroy the process groups while the interpreter is whole (registered at exit by
+    ``shoal.init``). A group torch still holds lives into interpreter finalization, and its worker
+    thread, dropping the last reference to a finished asynchronous collective's tensors there, needs
+    the GIL and aborts the process."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # the groups' last references may sit in cycles: free them (joining their threads) now
 
 
 def world() -> World:

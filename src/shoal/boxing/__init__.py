@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from .. import comm, seam
 from ..sbp import Broadcast, NdSBP, Partial
 from ..spec import TensorSpec, _itemsize, chunk_bounds
 from .planner import Step, plan, plan_cost
@@ -25,10 +25,15 @@ def cost(src: TensorSpec, dst_sbp: NdSBP) -> float:
 
 
 def box(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
-    """The shards of the same global value laid out as ``dst``."""
+    """The shards of the same global value laid out as ``dst`` (through the seam: a traced step
+    records the conversion as one node)."""
+    if src is dst or (src.mesh == dst.mesh and src.sbp == dst.sbp):
+        return shards
+    return seam.current().box(shards, src, dst, _box)
+
+
+def _box(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
     if src.mesh == dst.mesh:
-        if src.sbp == dst.sbp:
-            return shards
         steps = plan(src.mesh.shape, src.shape, _itemsize(src.dtype), src.sbp, dst.sbp)
         out = list(shards)
         state = src

@@ -6,6 +6,9 @@ stays ``None``). The part inside a process is plain tensor ops between shards; r
 every device are one shared tensor (no copies on CPU). The part across processes is one
 torch.distributed call on the cached process group of the ranks involved (``comm.dist``).
 Functions that must know the shapes of other processes' shards take ``shapes`` (one per device).
+
+Each collective is a ``seam.Collective``: called, it runs through the execution in force (graph
+mode's tracer records it); ``place`` hands a plain tensor to devices the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import seam
+from ..seam import collective
 from ..world import world
 from . import dist as _dist
 from .counter import CommCounter, record
@@ -27,9 +32,32 @@ __all__ = [
     "all_to_all",
     "transfer",
     "broadcast_all",
+    "place",
 ]
 
 Shards = Sequence[torch.Tensor | None]
+
+
+def place(t: torch.Tensor, mesh, copy: bool = False) -> tuple:
+    """Plain tensor ``t`` (a whole value) held by every local device of ``mesh``, None elsewhere:
+    ``t`` itself where it lies on the device already, else ``t.to(device)``; with ``copy``, a
+    contiguous copy per torch device (shared by the virtual devices on one)."""
+    return seam.current().place(t, mesh, copy, _place_now)
+
+
+def _place_now(t: torch.Tensor, mesh, copy: bool) -> tuple:
+    w = world()
+    out: list = [None] * mesh.size
+    copies: dict = {}
+    for p in mesh.local_positions:
+        dev = w.torch_device(mesh.devices[p])
+        if not copy:
+            out[p] = t if t.device == dev else t.to(dev)
+            continue
+        if dev not in copies:
+            copies[dev] = t.detach().to(dev, memory_format=torch.contiguous_format, copy=True)
+        out[p] = copies[dev]
+    return tuple(out)
 
 
 def _place(t: torch.Tensor, devices: Sequence[int], shards: Shards | None = None) -> list:
@@ -89,6 +117,7 @@ def _reduce_group(devices: Sequence[int], shards: Shards, op: str) -> torch.Tens
     return total
 
 
+@collective
 def all_reduce(devices: Sequence[int], shards: Shards, op: str = "sum") -> list:
     total = _reduce_group(devices, shards, op)
     if total is None:
@@ -97,6 +126,7 @@ def all_reduce(devices: Sequence[int], shards: Shards, op: str = "sum") -> list:
     return _place(total, devices, shards)
 
 
+@collective(start_of=all_reduce)
 def all_reduce_start(devices: Sequence[int], shards: Shards, op: str = "sum"):
     """Start an all_reduce that runs while the caller goes on (across processes); returns a function
     that waits for it and gives the group's new local tensors, as ``all_reduce`` does."""
@@ -130,6 +160,7 @@ def _gather_full(devices: Sequence[int], shards: Shards, dim: int, shapes) -> to
     return _dist.gather_along(_home(local)[0].new_zeros(shape), shards, sizes, dim, _ranks(devices))
 
 
+@collective
 def all_gather(devices: Sequence[int], shards: Shards, dim: int, shapes=None) -> list:
     if not any(s is not None for s in shards):
         return list(shards)
@@ -150,6 +181,7 @@ def _scatter(full: torch.Tensor, devices: Sequence[int], dim: int, shards: Shard
     return out
 
 
+@collective
 def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "sum") -> list:
     total = _reduce_group(devices, shards, op)
     if total is None:
@@ -158,6 +190,7 @@ def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "
     return _scatter(total, devices, dim, shards)
 
 
+@collective
 def all_to_all(devices: Sequence[int], shards: Shards, src_dim: int, dst_dim: int, shapes=None) -> list:
     if not any(s is not None for s in shards):
         return list(shards)
@@ -166,6 +199,7 @@ def all_to_all(devices: Sequence[int], shards: Shards, src_dim: int, dst_dim: in
     return _scatter(full, devices, dst_dim, shards)
 
 
+@collective(p2p=True)
 def transfer(src: int, dst: int, t: torch.Tensor | None, shape=None, dtype=None) -> torch.Tensor | None:
     """Point-to-point: what device ``src`` holds, now held by device ``dst`` (None where neither is ours)."""
     w = world()

@@ -1,81 +1,69 @@
 """The cross-process part of collectives: torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Process groups are created for every set of ranks a mesh axis needs, when the mesh is made, by
-every process in the same order (``ensure_groups``): a program that makes the same meshes in the
-same order on every rank never hangs on group creation.
+The default group is ``shoal.init()``'s. The group of any other set of ranks is made when a
+collective over those ranks first needs it, by those ranks alone (torch's group-local
+synchronization): ranks that run the same collectives in the same order, as a shoal program does,
+make their groups in the same order, and a rank outside a group takes no part in making it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import atexit
+import datetime
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..mesh import ON_NEW_MESH, Mesh
-from ..world import world
+from ..world import FAILED_KEY, world
 
-__all__ = ["ensure_groups", "all_reduce", "gather_along", "send", "recv"]
+__all__ = ["all_reduce", "gather_along", "send", "recv", "groups_made"]
 
 _GROUPS: dict[tuple[int, ...], object] = {}
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def active() -> bool:
-    return dist.is_available() and dist.is_initialized() and world().processes > 1
-
-
-def ensure_groups(rank_sets: Sequence[tuple[int, ...]]) -> None:
-    """Create the process groups for these rank sets (collective: every rank calls it alike)."""
-    if not active():
-        return
-    for ranks in rank_sets:
-        ranks = tuple(sorted(ranks))
-        if len(ranks) > 1 and ranks not in _GROUPS:
-            if len(ranks) == dist.get_world_size():
-                _GROUPS[ranks] = dist.group.WORLD
-            else:
-                _GROUPS[ranks] = dist.new_group(list(ranks))
-
-
-def ensure_mesh_groups(mesh: Mesh) -> None:
-    """Every process group the mesh's axes need (called for every new Mesh, on every rank)."""
-    if not active():
-        return
-    w = world()
-    sets = []
-    for axis in range(mesh.ndim):
-        for group in mesh.groups(axis):
-            sets.append(tuple(sorted({w.process_of(mesh.devices[p]) for p in group})))
-    ensure_groups(sets)
-
-
-ON_NEW_MESH.append(ensure_mesh_groups)
-
-
-def shutdown() -> None:
-    """Destroy the process groups while the interpreter is whole (registered at exit by
-    ``shoal.init``). A group torch still holds, or one this module does, lives into interpreter
-    finalization, and its worker thread, dropping the last reference to a finished asynchronous
-    collective's tensors there, needs the GIL and aborts the process."""
-    import gc
-
-    _GROUPS.clear()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()  # the groups' last references may sit in cycles: free them (joining their threads) now
-
-
 def _group(ranks: Sequence[int]):
+    """The process group of ``ranks`` (sorted), made on first use by those ranks alone: a backend
+    group on the rendezvous store under a prefix naming the ranks. (torch's ``new_group`` wants every
+    rank to call it, or, with group-local synchronization, hangs when a rank joins a second group.)"""
     key = tuple(ranks)
     g = _GROUPS.get(key)
     if g is None:
-        raise RuntimeError(
-            f"shoal: no process group for ranks {list(key)}: meshes must be created by every process, "
-            "in the same order (group creation is collective)"
-        )
+        if len(key) == dist.get_world_size():
+            g = dist.group.WORLD
+        else:
+            if not any(v is not dist.group.WORLD for v in _GROUPS.values()):
+                # registered after shoal.init's shutdown, so run before it: the groups are dropped
+                # while the interpreter is whole (see world.shutdown)
+                atexit.register(_GROUPS.clear)
+            store = dist.PrefixStore("shoal/group/" + "-".join(map(str, key)),
+                                     dist.distributed_c10d._get_default_store())
+            me, timeout = key.index(dist.get_rank()), datetime.timedelta(seconds=world().timeout)
+            if dist.get_backend() == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                g = dist.ProcessGroupNCCL(store, me, len(key), opts)
+            else:
+                g = dist.ProcessGroupGloo(store, me, len(key), timeout)
+        _GROUPS[key] = g
     return g
+
+
+def _all_reduce(t: torch.Tensor, op, ranks: Sequence[int]):
+    """Start an in-place all_reduce over ``ranks``; its work handle."""
+    g = _group(ranks)
+    if g is dist.group.WORLD:
+        return dist.all_reduce(t, op=op, async_op=True)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return g.allreduce([t], opts)
+
+
+def groups_made() -> list[tuple[int, ...]]:
+    """The rank sets whose process groups this process has made so far (not the default group,
+    ``shoal.init``'s)."""
+    return sorted(k for k, g in _GROUPS.items() if g is not dist.group.WORLD)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -84,32 +72,17 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 
 def failed_ranks() -> dict[int, str]:
-    """Ranks that reported an uncaught error (see ``install_failure_report``), with the error."""
+    """Ranks that reported an uncaught error (``shoal.init`` installs the report), with the error."""
     try:
         store = dist.distributed_c10d._get_default_store()
         out = {}
         for r in range(dist.get_world_size()):
-            key = f"shoal/failed/{r}"
+            key = FAILED_KEY.format(r)
             if store.check([key]):
                 out[r] = store.get(key).decode(errors="replace")
         return out
     except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
         return {}
-
-
-def install_failure_report(rank: int) -> None:
-    """An uncaught error in this process is written to the rendezvous store, so that the other
-    ranks' failing collectives can name this rank."""
-    import sys
-
-    prev = sys.excepthook
-
-    def hook(tp, val, tb):
-        with contextlib.suppress(Exception):
-            dist.distributed_c10d._get_default_store().set(f"shoal/failed/{rank}", f"{tp.__name__}: {val}"[:500])
-        prev(tp, val, tb)
-
-    sys.excepthook = hook
 
 
 def _guarded(what: str, ranks, fn):
@@ -127,24 +100,30 @@ def _guarded(what: str, ranks, fn):
         ) from e
 
 
+def _nothing_moves(t: torch.Tensor, ranks) -> bool:
+    """A group of one rank, or a meta tensor (graph mode's trace runs collectives on shapes alone:
+    only the result's shape matters, and it is the input's)."""
+    return len(ranks) < 2 or t.device.type == "meta"
+
+
 def all_reduce(t: torch.Tensor, op: str, ranks: Sequence[int]) -> None:
     """In place: ``t`` becomes the reduction of every rank's ``t``."""
-    if len(ranks) < 2:
+    if _nothing_moves(t, ranks):
         return
     w = _wire(t)
-    _guarded("all_reduce", ranks, lambda: dist.all_reduce(w, op=_OPS[op], group=_group(ranks)))
+    _guarded("all_reduce", ranks, lambda: _all_reduce(w, _OPS[op], ranks).wait())
     if w is not t:
         t.copy_(w.to(torch.bool))
 
 
 def all_reduce_async(t: torch.Tensor, op: str, ranks: Sequence[int]):
     """Start an in-place all_reduce; returns its work handle (None if there is nothing to do)."""
-    if len(ranks) < 2:
+    if _nothing_moves(t, ranks):
         return None
     if t.dtype == torch.bool:  # no async path for the uint8 round trip
         all_reduce(t, op, ranks)
         return None
-    return _guarded("all_reduce", ranks, lambda: dist.all_reduce(t, op=_OPS[op], group=_group(ranks), async_op=True))
+    return _guarded("all_reduce", ranks, lambda: _all_reduce(t, _OPS[op], ranks))
 
 
 def wait(work, what: str, ranks: Sequence[int]) -> None:
@@ -160,20 +139,26 @@ def gather_along(full: torch.Tensor, shards, sizes: Sequence[int], dim: int, ran
         if s is not None:
             full.narrow(dim, off, n).copy_(s)
         off += n
+    if _nothing_moves(full, ranks):
+        return full
     if full.dtype == torch.bool:
         w = full.to(torch.uint8)
-        _guarded("all_gather", ranks, lambda: dist.all_reduce(w, op=dist.ReduceOp.MAX, group=_group(ranks)))
+        _guarded("all_gather", ranks, lambda: _all_reduce(w, dist.ReduceOp.MAX, ranks).wait())
         return w.to(torch.bool)
-    _guarded("all_gather", ranks, lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=_group(ranks)))
+    _guarded("all_gather", ranks, lambda: _all_reduce(full, dist.ReduceOp.SUM, ranks).wait())
     return full
 
 
 def send(t: torch.Tensor, rank: int) -> None:
+    if t.device.type == "meta":
+        return
     w = _wire(t.contiguous())
     _guarded(f"send to rank {rank}", [dist.get_rank(), rank], lambda: dist.send(w, rank))
 
 
 def recv(buf: torch.Tensor, rank: int) -> None:
+    if buf.device.type == "meta":
+        return
     w = _wire(buf)
     _guarded(f"recv from rank {rank}", [rank, dist.get_rank()], lambda: dist.recv(w, rank))
     if w is not buf:
@@ -182,6 +167,8 @@ def recv(buf: torch.Tensor, rank: int) -> None:
 
 def broadcast(t: torch.Tensor, src: int) -> None:
     """In place, over every process."""
+    if t.device.type == "meta":
+        return
     w = _wire(t)
     if w is t and not t.is_contiguous():
         raise ValueError("broadcast needs a contiguous tensor")

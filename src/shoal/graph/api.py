@@ -9,11 +9,11 @@ import warnings
 import torch
 
 from .. import aliasing
-from ..dispatch import _region
+from ..dispatch.execute import _region
 from ..tensor import GlobalTensor
 from .capture import capture, function_key, globals_key, guard_key, leaves
 from .ir import Graph, Ref, Value
-from .lower import Plan, lower
+from .lower import LoweredPlan, lower
 from .passes import run_passes
 
 __all__ = ["compile", "CompiledStep"]
@@ -52,7 +52,7 @@ class CompiledStep:
         return self._last[0]
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> LoweredPlan:
         """The lowered plan of the last call (``print`` it for its tasks and dependencies)."""
         self.graph  # noqa: B018 - raises if nothing was compiled yet
         return self._last[1]
@@ -163,12 +163,11 @@ def _shards_into(env: dict, v: Value, t: GlobalTensor, written: set, g: Graph) -
         seen.add(region)
         env[lid] = s
     if changed:
-        t._shards = tuple(shards)
-        t._resolved = None
+        t._set_shards(shards)
         aliasing.replaced(t)
 
 
-def _bind_one(env: dict, v, o, plan: Plan) -> None:
+def _bind_one(env: dict, v, o, plan: LoweredPlan) -> None:
     """Bind what the graph calls ``v`` (a Value, or a host Local id) to the tensor ``o``."""
     if isinstance(v, Value):
         _shards_into(env, v, o, plan.written, plan.graph)
@@ -176,7 +175,7 @@ def _bind_one(env: dict, v, o, plan: Plan) -> None:
         env[v] = o
 
 
-def _bind(g: Graph, plan: Plan, objs: list, places: list) -> dict:
+def _bind(g: Graph, plan: LoweredPlan, objs: list, places: list) -> dict:
     """Local id -> tensor for everything a run reads before its first op: constants, the numbers read
     at every call, the arguments (``objs``: their leaves), the state (``places``: guard_key's, in the
     order of the graph's slots)."""
@@ -190,7 +189,7 @@ def _bind(g: Graph, plan: Plan, objs: list, places: list) -> dict:
     return env
 
 
-def _bind_inputs(g: Graph, plan: Plan, objs: list, k: int) -> dict:
+def _bind_inputs(g: Graph, plan: LoweredPlan, objs: list, k: int) -> dict:
     """The arguments of micro-batch ``k`` (``objs``: their leaves)."""
     env: dict = {}
     for i, path, v in g.inputs:
@@ -223,7 +222,7 @@ def _write_state(g: Graph, static: dict, final: dict) -> None:
         elif isinstance(a, Value):
             if s.same or s.key is None:
                 t = s.get()
-                t._spec, t._shards, t._resolved = a.spec, _shards(a, final, static), None
+                t._set_shards(_shards(a, final, static), a.spec)
                 aliasing.replaced(t)
             else:
                 s.set(GlobalTensor._make(a.spec, _shards(a, final, static), a.stride))

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .. import comm
 from .ir import Graph, Local, Op, Ref
 
 __all__ = ["fuse_all_reduces"]
@@ -20,7 +21,7 @@ aten = torch.ops.aten
 
 
 def _candidate(g: Graph, op: Op) -> tuple | None:
-    if op.kind != "comm" or op.fn.__name__ != "all_reduce":
+    if op.kind != "comm" or op.fn is not comm.all_reduce:
         return None
     devs, in_refs, *rest = op.args
     if any(r is None for r in in_refs) or any(r is None for r in op.outs):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from .. import seam
 from ..sbp import Partial
 from ..tensor import GlobalTensor
 from .ir import Graph, Ref, Slot, Value
@@ -310,8 +311,7 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
     def stand_in(t: GlobalTensor) -> None:
         if id(t) not in saved_gt:
             saved_gt[id(t)] = (t, t._shards, t._spec, t._resolved)
-            t._shards = tr.meta_input(t._spec, t._shards, t.stride())
-            t._resolved = None
+            t._set_shards(tr.meta_input(t._spec, t._shards, t.stride()))
 
     host_swapped = []
     traced_obj = {}  # slot -> the object the trace starts from
@@ -341,7 +341,7 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
             args, kwargs = tree_map(lambda t: copies.get(id(t), t), (args, kwargs))
         # the trace draws random numbers for real (host work runs): the step itself must draw the same
         tr.outer = sys._getframe()
-        with _same_random_state(), tr.patched(), _optimizers_traceable(opts, tr, g), tr:
+        with _same_random_state(), seam.using(tr), _optimizers_traceable(opts, tr, g), tr:
             out = fn(*args, **kwargs)
         g.globals_read = _user_globals(tr.code_seen)
         g.outputs = _out_refs(tr, out, g)
@@ -374,7 +374,7 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
     finally:
         tr.restore()
         for t, shards, spec, resolved in saved_gt.values():
-            t._shards, t._spec, t._resolved = shards, spec, resolved
+            t._set_shards(shards, spec, resolved)
         for s, v in host_swapped:
             s.set(v)
     # ops whose device was never decided were only made to decide layouts

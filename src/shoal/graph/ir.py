@@ -57,7 +57,7 @@ class Ref:
 @dataclass(eq=False, slots=True)
 class Op:
     """One physical step. kind: "call" (an ATen op on one device), "host" (an ATen op on the host),
-    "comm" (a collective or transfer across devices; ``fn`` is the ``shoal.comm`` function), "place"
+    "comm" (a collective or transfer across devices; ``fn`` is the ``seam.Collective``), "place"
     (a host tensor handed to a device)."""
 
     kind: str
@@ -75,7 +75,7 @@ class Op:
 
     def name(self) -> str:
         if self.kind == "comm":
-            return f"comm.{self.fn.__name__}"
+            return f"comm.{self.fn.name}"
         if self.kind == "place":
             return "place"
         return str(self.fn).removeprefix("aten.")

@@ -3,26 +3,26 @@
 Eager dispatch runs unchanged (same rules, same boxing choices); a ``TorchDispatchMode`` sees every
 ATen op: ops on GlobalTensors become ``Node``s, the ops dispatch then runs on meta shards become
 per-device ``Op``s, ops on real plain tensors become host ``Op``s (re-run every step: ``arange``,
-random draws), collectives are recorded whole. Values that would decide Python control flow
-(``.item()``, ``bool(t)``) are an error naming the user's line.
+random draws). The tracer is the recording side of ``shoal.seam``: conversions between layouts,
+collectives and placements of host tensors reach it through the seam and are recorded whole.
+Values that would decide Python control flow (``.item()``, ``bool(t)``) are an error naming the
+user's line.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import boxing, comm
 from .. import dispatch as _dispatch
-from .. import tensor as _tensor
-from ..comm import dist as _dist
+from .. import schema
+from ..errors import TraceError, library_file, user_line, value_read
 from ..sbp import sbp_str
+from ..seam import Collective, Execution
 from ..tensor import GlobalTensor
 from ..world import world
 from .ir import Graph, Local, Node, Op, Ref, Value, contiguous_strides
@@ -30,66 +30,14 @@ from .ir import Graph, Local, Node, Op, Ref, Value, contiguous_strides
 __all__ = ["Tracer", "TraceError", "DEVICE", "value_read", "library_file", "user_line"]
 
 _GT = GlobalTensor
-# code that is not the user's: shoal, torch, the standard library (and installed packages, below)
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (os.path.dirname(__file__), torch.__file__,
-                                                                               os.__file__))
 # a device argument of a device op: replaced by that device's torch device when lowered
 DEVICE = "<device>"
 _DATA_DEPENDENT = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default}
-_COMM_FNS = ("all_gather", "all_reduce", "all_reduce_start", "reduce_scatter", "all_to_all", "transfer")
 
 
-# frames between a reading library function and the tracer: not worth naming
-_PLUMBING = ("/shoal/graph/", "/shoal/dispatch.py", "/shoal/tensor.py", "/shoal/aliasing.py", "/_python_dispatch.py",
-             "/_ops.py", "/_dynamo/", "/_compile.py")
-# shoal's code written with shoal as a user's would be: named where no user's frame is on the stack
-_SHIPPED = tuple(_LIBRARY_DIRS[0] + p for p in ("models" + os.sep, "train.py", "demo.py"))
+class Tracer(TorchDispatchMode, Execution):
+    tracing = True
 
-
-class TraceError(RuntimeError):
-    pass
-
-
-def value_read(what: str) -> TraceError:
-    """The error for reading a traced tensor's value into Python (by ``what``), naming the user's line."""
-    return TraceError(
-        f"shoal.compile: {what} reads a tensor's value into Python (.item(), bool(t), .tolist(), .numpy(), "
-        f"torch.equal) at\n  {user_line()}\nA compiled step cannot branch on tensor values: compute it "
-        f"with tensor ops (torch.where), or return the tensor and read it outside the compiled function."
-    )
-
-
-def library_file(filename: str) -> bool:
-    """Whether code in ``filename`` is a library's (shoal, torch, the standard library, an installed
-    package), not the user's."""
-    f = os.path.abspath(filename)
-    return f.startswith(_LIBRARY_DIRS) or f"{os.sep}site-packages{os.sep}" in f or f"{os.sep}dist-packages{os.sep}" in f
-
-
-def user_line(frames=None) -> str:
-    """The innermost frame of the user's code in ``frames`` (a ``traceback.StackSummary``; default:
-    the current stack), as 'file:line: code', and the library function below it that did the
-    reading, if any. Without a user's frame (``shoal train``): the innermost frame of code written
-    with shoal that ships as a library (shoal's models and training loop, an installed package)."""
-    inner = shipped = None
-    for fr in reversed(traceback.extract_stack() if frames is None else frames):
-        f = os.path.abspath(fr.filename)
-        if library_file(f):
-            if not any(s in f for s in _PLUMBING):
-                inner = inner or fr
-                if shipped is None and (f.startswith(_SHIPPED) or not f.startswith(_LIBRARY_DIRS)):
-                    shipped = fr
-            continue
-        return _where(fr, inner)
-    return "<unknown>" if shipped is None else _where(shipped, None if inner is shipped else inner)
-
-
-def _where(fr, inner) -> str:
-    via = f"\n  (in {inner.filename}:{inner.lineno} {inner.name})" if inner is not None else ""
-    return f"{fr.filename}:{fr.lineno}: {fr.line}{via}"
-
-
-class Tracer(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.g = Graph()
@@ -235,7 +183,7 @@ class Tracer(TorchDispatchMode):
         devices = {self.g.locals[lid].device for lid in lids} - {None}
         if len(devices) > 1:
             raise TraceError(f"shoal tracer: {func} mixes shards of devices {sorted(devices)}")
-        if func._schema.is_mutable:  # host work runs for real: a tensor the step only refers to gets its values back
+        if schema.of(func).mutable:  # host work runs for real: a tensor the step only refers to gets its values back
             for lid in _written(func, args, kwargs, self):
                 if lid in self.g.constants and lid not in self._overwritten:
                     self._overwritten[lid] = (self.g.constants[lid], self.g.constants[lid].clone())
@@ -308,23 +256,22 @@ class Tracer(TorchDispatchMode):
                 self._floating.setdefault(lid, []).append(op)
         return out
 
-    # -- shoal internals seen whole -------------------------------------------------------------
-    def box(self, shards, src, dst):
-        """boxing.box, recorded as a node (its collectives and local slicing inside)."""
-        if src == dst or (src.mesh == dst.mesh and src.sbp == dst.sbp):
-            return shards
+    # -- the seam: what eager execution does, recorded ------------------------------------------
+    def box(self, shards, src, dst, run):
+        """A conversion between layouts, recorded as a node (its collectives and slicing inside)."""
         ins = [self.value_of(shards, src)]
         with self.node("box", f"{sbp_str(src.sbp)} -> {sbp_str(dst.sbp)}", ins) as n:
-            out = self._orig["box"](shards, src, dst)
+            out = run(shards, src, dst)
         n.outputs = [self.value_of(out, dst)]
         return out
 
-    def comm(self, name: str, *args):
-        if name == "all_reduce_start":  # traced, the reduction is one task: done when it returns
-            res = self.comm("all_reduce", *args)
+    def collective(self, c: Collective, args: tuple):
+        """A collective recorded whole: one task over its devices; its outputs (meta tensors) come
+        from running it on the meta shards (a meta tensor crosses no process)."""
+        if c.start_of is not None:  # traced, a started collective is one task: done when it returns
+            res = self.collective(c.start_of, args)
             return lambda: res
-        fn = self._orig[name]
-        if name == "transfer":
+        if c.p2p:
             src, dst, t = args[0], args[1], args[2]
             devs, xs = (src, dst), [t]
         else:
@@ -332,15 +279,15 @@ class Tracer(TorchDispatchMode):
         in_refs = [None if x is None else Ref(self.lid(x)) for x in xs]
         self._quiet += 1
         try:
-            if name == "transfer":  # moving meta data: only where it lands matters
+            if c.p2p:  # moving meta data: only where it lands matters
                 res = self._meta_like(t) if world().owns(dst) and t is not None else None
                 if res is None and world().owns(dst):
                     res = torch.empty(args[3], dtype=args[4], device="meta")
             else:
-                res = fn(*args)
+                res = c.run(*args)
         finally:
             self._quiet -= 1
-        outs = [res] if name == "transfer" else list(res)
+        outs = [res] if c.p2p else list(res)
         if all(o is x for o, x in zip(outs, xs)):  # a group of one device: nothing moves
             return res
         seen, out_refs, fresh = set(), [], []
@@ -352,18 +299,25 @@ class Tracer(TorchDispatchMode):
             if id(o) in seen or id(o) in {id(x) for x in xs if x is not None}:
                 o = self._meta_like(o)
             seen.add(id(o))
-            dev = dst if name == "transfer" else devs[i]
+            dev = dst if c.p2p else devs[i]
             out_refs.append(Ref(self.new_local(o, dev)))
             fresh.append(o)
-        rest = args[3:] if name == "transfer" else args[2:]
-        self._op(kind="comm", fn=fn, args=(devs, in_refs, *rest), kwargs={}, outs=out_refs, device=None,
+        rest = args[3:] if c.p2p else args[2:]
+        self._op(kind="comm", fn=c, args=(devs, in_refs, *rest), kwargs={}, outs=out_refs, device=None,
                  reads=tuple(r.id for r in in_refs if r is not None),
                  out_ids=tuple(r.id for r in out_refs if r is not None), devices=devs)
-        return fresh[0] if name == "transfer" else fresh
+        return fresh[0] if c.p2p else fresh
 
-    def place(self, t: torch.Tensor, device: int, copy: bool) -> torch.Tensor:
-        """A host tensor handed to ``device`` (a copy per device when ``copy``), strided as eager's:
-        the copy contiguous (``_scatter_full``), else ``t`` itself or what ``t.to(device)`` gives."""
+    def place(self, t: torch.Tensor, mesh, copy: bool, run) -> tuple:
+        """A host tensor handed to each local device of ``mesh`` (a copy per device when ``copy``)."""
+        out = [None] * mesh.size
+        for p in mesh.local_positions:
+            out[p] = self._place_one(t, mesh.devices[p], copy)
+        return tuple(out)
+
+    def _place_one(self, t: torch.Tensor, device: int, copy: bool) -> torch.Tensor:
+        """``t`` on ``device``, strided as eager's: the copy contiguous, else ``t`` itself or what
+        ``t.to(device)`` gives."""
         lid = self.lid(t)
         if lid is None or self.g.locals[lid].device is not None:
             if lid is not None and self.g.locals[lid].device == device:
@@ -384,58 +338,15 @@ class Tracer(TorchDispatchMode):
                  out_ids=(out,))
         return m
 
-    def _plain_shards(self, t, mesh) -> tuple:
-        out = [None] * mesh.size
-        for p in mesh.local_positions:
-            out[p] = self.place(t, mesh.devices[p], copy=False)
-        return tuple(out)
-
-    def _scatter_full(self, t, spec):
-        mesh = spec.mesh
-        shards = [None] * mesh.size
-        for p in mesh.local_positions:
-            shards[p] = self.place(t, mesh.devices[p], copy=True)
-        rep = spec.with_sbp(tuple(_tensor.Broadcast() for _ in range(mesh.ndim)))
-        return GlobalTensor._make(spec, boxing.box(tuple(shards), rep, spec))
-
-    @contextlib.contextmanager
-    def patched(self):
-        """Route shoal's boxing, collectives and host-to-device placement through the tracer."""
-        import functools
-
-        self._orig = {"box": boxing.box, "_plain_shards": _dispatch._plain_shards,
-                      "_scatter_full": _tensor._scatter_full}
-        patches = [(boxing, "box", self.box), (_dispatch, "_plain_shards", self._plain_shards),
-                   (_tensor, "_scatter_full", self._scatter_full)]
-        for name in _COMM_FNS:
-            self._orig[name] = getattr(comm, name)
-            patches.append((comm, name, functools.partial(self.comm, name)))
-        for name in ("all_reduce", "all_reduce_async", "wait", "send", "recv", "broadcast"):
-            patches.append((_dist, name, _no_dist))
-        patches.append((_dist, "gather_along", lambda full, *a: full))
-        saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
-        for m, n, f in patches:
-            setattr(m, n, f)
-        try:
-            yield
-        finally:
-            for m, n, f in saved:
-                setattr(m, n, f)
-
-
-def _no_dist(*args, **kwargs):
-    return None
-
 
 def _written(func, args, kwargs, tr: Tracer) -> list[int]:
-    """Locals an ATen op writes in place: the schema's ``a!`` arguments, read by dispatch's reader."""
+    """Locals an ATen op writes in place: the schema's ``a!`` arguments."""
     tensors: list = []
     by_arg = []
-    for i, a in enumerate(func._schema.arguments):
-        v = args[i] if i < len(args) else kwargs.get(a.name)
+    for v in schema.bind(func, args, kwargs).values():
         ts = [t for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)]
         by_arg.append(tuple(range(len(tensors), len(tensors) + len(ts))))
         tensors += ts
-    mutated, _ = _dispatch._aliases(func, by_arg)
+    mutated, _ = schema.mutated(func, by_arg)
     return [lid for i in mutated if (lid := tr.lid(tensors[i])) is not None]
 

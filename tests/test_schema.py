@@ -1,0 +1,28 @@
+"""The one schema reader (shoal.schema): written arguments, tensor lists, in-place returns, views."""
+
+import torch
+
+from shoal import schema
+
+aten = torch.ops.aten
+
+
+def test_written_tensor_lists_write_every_element():
+    # _foreach_add_(self: Tensor(a!)[], other: Tensor[]): no alias set on a list, still written
+    mutated, rets = schema.mutated(aten._foreach_add_.List, [(0, 1), (2, 3), ()])
+    assert mutated == (0, 1) and rets == []
+    fused = schema.mutated(aten._fused_adamw_.default, [(0,), (1,), (2,), (3,), ()] + [()] * 12)[0]
+    assert fused == (0, 1, 2, 3)
+
+
+def test_in_place_and_out_results_are_their_written_inputs():
+    assert schema.mutated(aten.add_.Tensor, [(0,), (1,), ()]) == ((0,), [0])
+    assert schema.mutated(aten.add.out, [(0,), (1,), (), (2,)]) == ((2,), [2])
+    assert schema.mutated(aten.add.Tensor, [(0,), (1,), ()]) == ((), [None])
+
+
+def test_views_and_names():
+    assert schema.of(aten.transpose.int).view and not schema.of(aten.reshape.default).view  # composite
+    assert not schema.of(aten.add_.Tensor).view and schema.of(aten.add_.Tensor).written == ((0, "self"),)
+    assert schema.bind(aten.sum.dim_IntList, ("x", [1]), {"keepdim": True}) == {
+        "self": "x", "dim": [1], "keepdim": True, "dtype": None}
