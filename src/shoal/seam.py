@@ -3,8 +3,9 @@
 A few things eager execution does must be recorded instead while a step is traced: lay shards out
 in another layout (``box``), hand a plain tensor to devices (``place``), run a collective. Each goes
 through the ``Execution`` in force: ``Eager`` (the default) does it now; graph mode's tracer
-(``shoal.graph.trace.Tracer``) records it into the step's graph. Nothing is swapped in a module
-while a trace runs.
+(``shoal.graph.trace.Tracer``) records it into the step's graph, or refuses it (a value read into
+Python). Nothing is swapped in a module while a trace runs. (ATen ops on plain tensors, random
+draws among them, need no seam: the tracer's dispatch mode sees each and records it as host work.)
 
 The execution in force is a context variable: it belongs to the thread (and asyncio task) that set
 it. The runtime's threads, which may run a compiled step while another step is traced, see
@@ -69,6 +70,10 @@ class Execution:
     def collective(self, c: Collective, args: tuple):
         raise NotImplementedError
 
+    def read_value(self, what: str, value):
+        """``value`` (a tensor holding a global value) read into Python by ``what``."""
+        raise NotImplementedError
+
 
 class Eager(Execution):
     """Runs everything now."""
@@ -81,6 +86,9 @@ class Eager(Execution):
 
     def collective(self, c, args):
         return c.run(*args)
+
+    def read_value(self, what, value):
+        return value
 
 
 _CURRENT: contextvars.ContextVar[Execution] = contextvars.ContextVar(

@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import boxing, comm, debug
-from .errors import value_read
+from . import boxing, comm, debug, seam
 from .mesh import Mesh
 from .sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from .spec import TensorSpec
@@ -121,10 +120,8 @@ class GlobalTensor(torch.Tensor):
         return self._host_value("numpy").numpy(force=force)
 
     def _host_value(self, what: str) -> torch.Tensor:
-        full = self.full()
-        if full.device.type == "meta":  # graph mode's trace: the values do not exist yet
-            raise value_read(f"GlobalTensor.{what}()")
-        return full
+        """The global value, read into Python by ``what`` (through the seam: a traced step refuses)."""
+        return seam.current().read_value(f"GlobalTensor.{what}()", self.full())
 
     # -- conversions --------------------------------------------------------------------------
     def to_global(self, mesh: Mesh | None = None, sbp: SBP | Sequence[SBP] | None = None) -> GlobalTensor:

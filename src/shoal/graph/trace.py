@@ -308,6 +308,13 @@ class Tracer(TorchDispatchMode, Execution):
                  out_ids=tuple(r.id for r in out_refs if r is not None), devices=devs)
         return fresh[0] if c.p2p else fresh
 
+    def read_value(self, what: str, value):
+        """A value read into Python: a traced value has none (its shards are meta), a constant's is
+        what it holds now."""
+        if value.device.type == "meta":
+            raise value_read(what)
+        return value
+
     def place(self, t: torch.Tensor, mesh, copy: bool, run) -> tuple:
         """A host tensor handed to each local device of ``mesh`` (a copy per device when ``copy``)."""
         out = [None] * mesh.size
