@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 import time
+import types
 from collections import Counter
 
 import pytest
@@ -677,3 +678,55 @@ def test_an_lstm_step_gives_the_eager_numbers():
     assert any("mkldnn_rnn_layer_backward" in str(op.fn) for op in compiled.graph.ops)
     for p, q in zip(a.parameters(), b.parameters()):
         assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)
+
+
+# a step that reads its model and optimizer as globals of its module, as a script would
+_GLOBAL_MODEL = _GLOBAL_OPT = None
+
+
+def _global_step(x, y):
+    _, loss = _GLOBAL_MODEL(x, y)
+    loss.backward()
+    _GLOBAL_OPT.step()
+    _GLOBAL_OPT.zero_grad(set_to_none=True)
+    return loss
+
+
+@pytest.mark.parametrize("style", ["closure", "global"])
+def test_steps_that_close_over_their_model_compile(style):
+    """``@shoal.compile def step(x, y): loss = model(x, y) ...``: the modules and optimizers the step
+    names (closure variables, globals) are traced as if passed, and train as eager does."""
+    global _GLOBAL_MODEL, _GLOBAL_OPT
+    eager_model, eager_losses = train("gpt", "dp", step)
+    model, opt = build("gpt", "dp")
+    if style == "closure":
+        @shoal.compile
+        def compiled(x, y):
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        _GLOBAL_MODEL, _GLOBAL_OPT = model, opt
+        compiled = shoal.compile(_global_step)
+    losses = [compiled(x, y).item() for x, y in batches("gpt")[:STEPS]]
+    assert compiled.traces == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for (k, w), (_, g) in zip(eager_model.state_dict().items(), model.state_dict().items()):
+        assert_same_value(g, w.full(), k, rtol=1e-5, atol=1e-6)
+
+
+def test_a_global_tensor_the_step_cannot_see_is_named():
+    """A GlobalTensor reached only through a helper's globals is not found: the error says what to do."""
+    model, opt = build("gpt", "dp")
+    holder = types.SimpleNamespace(model=model)
+
+    @shoal.compile
+    def compiled(x, y):
+        _, loss = holder.model(x, y)  # a namespace, not a module: its parameters are not found
+        return loss
+
+    x, y = batches("gpt")[0]
+    with pytest.raises(TraceError, match="pass this one .or the module holding it. as an argument"):
+        compiled(x, y)

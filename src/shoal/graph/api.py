@@ -111,7 +111,7 @@ class CompiledStep:
         """Run as many of ``pieces`` ((args, kwargs) each) as the first one's graph can take in flight;
         their results."""
         args, kwargs = pieces[0]
-        objs = leaves(args, kwargs)
+        objs = leaves(args, kwargs, self.fn)
         key, places = guard_key(objs)
         entry = self._entry((function_key(self.fn), key), args, kwargs)
         self._last = entry
@@ -119,7 +119,7 @@ class CompiledStep:
         if creates:
             pieces = pieces[:1]
         static = _bind(g, plan, objs, places)
-        per_piece = ([_bind_inputs(g, plan, leaves(*p), k) for k, p in enumerate(pieces)] if len(pieces) > 1
+        per_piece = ([_bind_inputs(g, plan, leaves(*p, self.fn), k) for k, p in enumerate(pieces)] if len(pieces) > 1
                      else None)
         results, final = rt.run(static, len(pieces), per_piece)
         _write_state(g, static, final)

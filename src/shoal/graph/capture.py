@@ -51,10 +51,38 @@ def _walk(obj, path: str, out: list) -> None:
         out.append((path, obj))
 
 
-def leaves(args: tuple, kwargs: dict) -> list:
+def leaves(args: tuple, kwargs: dict, fn=None) -> list:
+    """(path, object) of every leaf of a step's arguments, then of what ``fn`` reads without taking
+    it as an argument (``implicit``)."""
     out: list = []
     _walk(list(args), "args", out)
     _walk(kwargs, "kwargs", out)
+    if fn is not None:
+        out += implicit(fn)
+    return out
+
+
+def implicit(fn) -> list:
+    """The modules, optimizers and GlobalTensors a step function names without taking them as
+    arguments: globals its code names and variables it closes over (a step written as
+    ``def step(x, y): loss = model(x, y); ...``). They are traced as if passed."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    out = []
+    glb = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        v = glb.get(name)
+        if isinstance(v, (nn.Module, torch.optim.Optimizer, GlobalTensor)):
+            out.append((f"global {name}", v))
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, (nn.Module, torch.optim.Optimizer, GlobalTensor)):
+            out.append((f"closure {name}", v))
     return out
 
 
@@ -301,7 +329,7 @@ def capture(fn, args: tuple, kwargs: dict) -> Graph:
     t0 = time.perf_counter()
     tr = Tracer()
     g = tr.g
-    objs = leaves(args, kwargs)
+    objs = leaves(args, kwargs, fn)
     slots = state_slots(objs)
     opts = [o for _, o in objs if isinstance(o, torch.optim.Optimizer)]
     saved_gt: dict[int, tuple] = {}  # id -> (tensor, shards, spec, resolved)

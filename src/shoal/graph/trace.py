@@ -90,7 +90,11 @@ class Tracer(TorchDispatchMode, Execution):
                 continue
             lid = self._lid.get(id(s))
             if lid is None:
-                raise TraceError(f"shoal tracer: a shard of a {spec} value was made outside the trace")
+                raise TraceError(
+                    f"shoal.compile: the step reads a GlobalTensor ({spec}) it was not given at\n  {user_line()}\n"
+                    "A compiled step sees its arguments and the modules, optimizers and GlobalTensors its "
+                    "own code names (globals, closure variables): pass this one (or the module holding "
+                    "it) as an argument of the step.")
             lids.append(lid)
         key = (tuple(lids), spec)
         v = self._values.get(key)
