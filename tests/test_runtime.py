@@ -177,7 +177,8 @@ def test_comm_tasks_run_on_their_own_thread_and_overlap_compute():
 
 def test_lowering_puts_each_task_on_its_thread():
     """Compute on its device's thread, a collective on the comm thread of the first device of its
-    group, host work on the caller's; the caller's queue serves the first device and the host."""
+    group, host work on the caller's. Devices' compute shares at most as many threads as there are
+    cores: the i-th device computes on worker i % workers, the caller's queue being worker 0."""
     mesh = shoal.Mesh([1, 2, 3])
     f = shoal.compile(lambda t: (t * 2).sum().to_global(mesh, shoal.B) + torch.arange(3.0).sum())
     t = torch.randn(6, 3)
@@ -188,10 +189,28 @@ def test_lowering_puts_each_task_on_its_thread():
         want = {"compute": Thread("dev", task.device), "comm": Thread("comm", 1), "host": Thread("host")}[task.kind]
         assert task.thread == want, task.name
     rt = f._last[2]
+    workers = min(3, runtime._cores())
+    worker_of = {Thread("dev", d): i % workers for i, d in enumerate((1, 2, 3))}
     for a in rt._actors:
         th = a.task.thread
-        assert (a.inbox is rt._mine) == (th in (Thread("dev", 1), Thread("host"))), th
-        assert a.inbox is rt._mine or a.inbox is runtime._QUEUES[th.name]
+        if th.kind == "dev":
+            w = worker_of[th]
+            assert a.inbox is (rt._mine if w == 0 else runtime._QUEUES[f"dev{1 + w}"]), th
+        else:
+            assert (a.inbox is rt._mine) == (th.kind == "host"), th
+            assert a.inbox is rt._mine or a.inbox is runtime._QUEUES[th.name]
+
+
+def test_devices_beyond_the_cores_share_compute_threads(monkeypatch):
+    """4 devices on 2 cores compute on 2 threads (the caller and one worker), not 4."""
+    monkeypatch.setattr(runtime, "_cores", lambda: 2)
+    mesh = shoal.Mesh(list(range(4)))
+    f = shoal.compile(lambda t: (t * 2 + 1).relu())
+    t = torch.randn(8, 3)
+    assert_same_value(f(shoal.to_global(t, mesh, shoal.S(0))), (t * 2 + 1).relu())
+    rt = f._last[2]
+    inboxes = {id(a.inbox) for a in rt._actors if a.task.thread.kind == "dev"}
+    assert len(inboxes) == 2 and id(rt._mine) in inboxes
 
 
 def test_a_failing_task_names_itself_and_the_next_call_runs():
@@ -228,7 +247,8 @@ def test_a_failed_run_returns_only_when_none_of_its_tasks_is_running():
 
 
 def test_a_worker_thread_runs_kernels_on_its_share_of_the_intra_op_threads():
-    """A worker thread computes with (caller's threads) // (local devices) OpenMP threads, even after
+    """A worker thread computes with (caller's threads) // (compute threads: local devices, at most
+    the cores) OpenMP threads, even after
     its first kernel (ATen sets a new thread's count from the process default on first use), and
     the process default stays the caller's."""
     seen, done = {}, threading.Event()
@@ -247,7 +267,7 @@ def test_a_worker_thread_runs_kernels_on_its_share_of_the_intra_op_threads():
         assert torch.get_num_threads() == 8
     finally:
         torch.set_num_threads(prev)
-    assert seen["threads"] == 8 // len(shoal.world().local_devices)
+    assert seen["threads"] == 8 // min(len(shoal.world().local_devices), runtime._cores())
 
 
 def test_the_caller_computes_on_its_share_of_the_intra_op_threads(monkeypatch):
@@ -268,4 +288,4 @@ def test_the_caller_computes_on_its_share_of_the_intra_op_threads(monkeypatch):
             assert torch.get_num_threads() == 8
     finally:
         torch.set_num_threads(prev)
-    assert seen == [2, 8]
+    assert seen == [8 // min(4, runtime._cores()), 8]

@@ -111,13 +111,19 @@ class Runtime:
         # with one device computes on one thread, with no hand-offs (a second thread with its own
         # OpenMP team makes libgomp stop spinning between parallel regions, and every kernel then
         # pays a wake-up, eager torch in the same process included).
-        devs = {t.thread for t in plan.tasks if t.thread.kind == "dev"}
-        first = min(devs, key=lambda th: th.device, default=None)
+        # Devices' compute shares at most as many threads as the machine has cores (a thread per
+        # device beyond that only contends for the cores and the GIL): device i of the plan's computes
+        # on worker i % workers, worker 0 being the caller. Each device's tasks still run in order,
+        # and a compute task never waits on another, so sharing a thread cannot deadlock.
+        devs = sorted({t.thread for t in plan.tasks if t.thread.kind == "dev"}, key=lambda th: th.device)
         self._devices = len(devs)
+        self._workers = workers = max(1, min(len(devs), _cores()))
         self._mine: queue.SimpleQueue = queue.SimpleQueue()
+        inbox = {th: self._mine if i % workers == 0 else _queue(devs[i % workers].name, True)
+                 for i, th in enumerate(devs)}
         for a in self._actors:
             th = a.task.thread
-            a.inbox = self._mine if th == first or th.kind == "host" else _queue(th.name, th.kind == "dev")
+            a.inbox = inbox[th] if th.kind == "dev" else self._mine if th.kind == "host" else _queue(th.name, False)
         self._run_id = 0  # firings queued for an earlier (failed) run are dropped
         self._running = 0  # firings being run now
         self._error = None
@@ -167,8 +173,8 @@ class Runtime:
         switch = sys.getswitchinterval()
         sys.setswitchinterval(_SWITCH)  # hand the GIL between actor threads often, so that they overlap
         threads = torch.get_num_threads()
-        if self._devices > 1:  # the caller computes for one device: on its share of the cores, as workers do
-            torch.set_num_threads(_share(threads, self._devices))
+        if self._devices > 1:  # the caller computes as a worker: on its share of the cores
+            torch.set_num_threads(_share(threads, self._workers))
         try:
             self._run_all()
         except BaseException as e:  # an interrupt in the caller: the run stops like a failed one
@@ -357,13 +363,21 @@ def _queue(name: str, compute: bool) -> queue.SimpleQueue:
         if q is None:
             # more OpenMP threads than cores make every team stop spinning
             n = torch.get_num_threads()
-            share = _share(n, len(world().local_devices)) if compute else 1
+            share = _share(n, min(len(world().local_devices), _cores())) if compute else 1
             q = _QUEUES[name] = queue.SimpleQueue()
             ready = threading.Event()
             threading.Thread(target=_serve, args=(q, share, ready), name=f"shoal-{name}", daemon=True).start()
             ready.wait()
             torch.set_num_threads(n)  # the process-wide default is the caller's again
         return q
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _share(threads: int, devices: int) -> int:
