@@ -730,3 +730,21 @@ def test_a_global_tensor_the_step_cannot_see_is_named():
     x, y = batches("gpt")[0]
     with pytest.raises(TraceError, match="pass this one .or the module holding it. as an argument"):
         compiled(x, y)
+
+
+def test_compile_is_a_decorator_with_or_without_options():
+    mesh = shoal.Mesh([0, 1])
+
+    @shoal.compile(registers=3, passes=False)
+    def doubled(t):
+        return t * 2
+
+    @shoal.compile
+    def tripled(t):
+        return t * 3
+
+    v = torch.randn(4, 3)
+    x = shoal.to_global(v, mesh, shoal.S(0))
+    assert_same_value(doubled(x), v * 2)
+    assert_same_value(tripled(x), v * 3)
+    assert (doubled.registers, doubled.passes, tripled.registers) == (3, False, 2)
