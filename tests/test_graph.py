@@ -685,11 +685,7 @@ _GLOBAL_MODEL = _GLOBAL_OPT = None
 
 
 def _global_step(x, y):
-    _, loss = _GLOBAL_MODEL(x, y)
-    loss.backward()
-    _GLOBAL_OPT.step()
-    _GLOBAL_OPT.zero_grad(set_to_none=True)
-    return loss
+    return step(_GLOBAL_MODEL, _GLOBAL_OPT, x, y)
 
 
 @pytest.mark.parametrize("style", ["closure", "global"])
@@ -702,11 +698,7 @@ def test_steps_that_close_over_their_model_compile(style):
     if style == "closure":
         @shoal.compile
         def compiled(x, y):
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+            return step(model, opt, x, y)
     else:
         _GLOBAL_MODEL, _GLOBAL_OPT = model, opt
         compiled = shoal.compile(_global_step)

@@ -72,7 +72,7 @@ class Input:
 
     @staticmethod
     def of(t) -> Input:
-        spec = t._spec if type(t) is GlobalTensor or isinstance(t, GlobalTensor) else None
+        spec = t._spec if isinstance(t, GlobalTensor) else None
         return Input(tuple(t.shape), t.dtype, tuple(t.stride()), spec)
 
     def stride(self) -> tuple:
