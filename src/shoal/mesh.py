@@ -139,6 +139,29 @@ class Mesh:
         arr = _reshape(devs, [self.shape[a] for a in keep])
         return Mesh(arr, axes=[self.axes[a] for a in keep])
 
+    def fixed_in(self, other: Mesh) -> dict[int, int] | None:
+        """{axis of ``other``: coordinate} that fixing makes ``other`` into this mesh (``{}`` when
+        they hold the same device array), or None when this mesh is no such sub-mesh of ``other``.
+
+        Sub-mesh as ``other.submesh(...)`` makes it: exactly the devices at those coordinates, the
+        other axes kept in order with their sizes (names are not compared: layouts go by axis
+        position). Boxing and dispatch use it to move values between a pipeline stage's sub-mesh
+        and the whole mesh exactly and cheaply.
+        """
+        if self.ndim > other.ndim or self.devices[0] not in other.devices:
+            return None
+        first = other.coord_of(self.devices[0])
+        for keep in itertools.combinations(range(other.ndim), self.ndim):
+            if tuple(other.shape[a] for a in keep) != self.shape:
+                continue
+            fixed = {a: first[a] for a in range(other.ndim) if a not in keep}
+            devs = tuple(d for d, c in zip(other.devices, other.coords) if all(c[a] == v for a, v in fixed.items()))
+            if devs == self.devices:
+                return fixed
+        if self.size == 1:  # one device of ``other`` (a pipeline stage of a 1-D mesh): every axis fixed
+            return dict(enumerate(first))
+        return None
+
 
 def _reshape(flat: list[int], shape: list[int]):
     if len(shape) == 1:

@@ -98,7 +98,14 @@ def _keep_one(xs: list, op: str) -> list:
 
 
 def _cross_mesh(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
-    """Move between meshes: position-wise sends when the mesh shapes match, else via replicas."""
+    """Move between meshes: onto a sub-mesh or from one onto the whole (pipeline stages), position-
+    wise sends when the mesh shapes match, else via replicas."""
+    fixed = dst.mesh.fixed_in(src.mesh)
+    if fixed:
+        return _restrict(shards, src, dst, fixed)
+    fixed = src.mesh.fixed_in(dst.mesh)
+    if fixed and len(fixed) < dst.mesh.ndim:
+        return _extend(shards, src, dst, fixed)
     if src.mesh.shape == dst.mesh.shape:
         mid = box(shards, src, src.with_sbp(dst.sbp))
         return tuple(
@@ -116,6 +123,37 @@ def _cross_mesh(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
         piece = None if full[sp] is None else full[sp][region]
         out.append(_send(src.mesh.devices[sp], d, piece, dst.local_shape(p), dst.dtype))
     return tuple(out)
+
+
+def _with_fixed_broadcast(sbp: NdSBP, fixed: dict[int, int], ndim: int) -> NdSBP:
+    """``sbp`` (one per kept axis) on a mesh of ``ndim`` axes, with Broadcast on the ``fixed`` ones."""
+    kept = iter(sbp)
+    return tuple(Broadcast() if a in fixed else next(kept) for a in range(ndim))
+
+
+def _restrict(shards: Shards, src: TensorSpec, dst: TensorSpec, fixed: dict[int, int]) -> Shards:
+    """Onto ``dst.mesh``, ``src.mesh`` with the axes ``fixed``: src relaid (on its own mesh) as
+    Broadcast on those axes and ``dst.sbp`` on the others, then the shards of dst's devices. Exact;
+    no data moves when src already has that layout (the usual Broadcast over the stage axis): the
+    result holds src's very shards."""
+    mid = box(shards, src, src.with_sbp(_with_fixed_broadcast(dst.sbp, fixed, src.mesh.ndim)))
+    pos = {d: p for p, d in enumerate(src.mesh.devices)}
+    return tuple(mid[pos[d]] for d in dst.mesh.devices)
+
+
+def _extend(shards: Shards, src: TensorSpec, dst: TensorSpec, fixed: dict[int, int]) -> Shards:
+    """From ``src.mesh``, ``dst.mesh`` with the axes ``fixed``: src relaid (on its own mesh) as
+    ``dst.sbp`` on the kept axes, each shard sent to every device with the same kept coordinates
+    (Broadcast on the fixed axes), then relaid on dst's mesh (locally: a slice, or zeros for Partial)."""
+    kept_sbp = tuple(s for a, s in enumerate(dst.sbp) if a not in fixed)
+    mid = box(shards, src, src.with_sbp(kept_sbp))
+    rep = dst.with_sbp(_with_fixed_broadcast(kept_sbp, fixed, dst.mesh.ndim))
+    src_pos = {c: p for p, c in enumerate(src.mesh.coords)}
+    out = []
+    for p, (d, c) in enumerate(zip(dst.mesh.devices, dst.mesh.coords)):
+        q = src_pos[tuple(x for a, x in enumerate(c) if a not in fixed)]
+        out.append(_send(src.mesh.devices[q], d, mid[q], rep.local_shape(p), dst.dtype))
+    return box(tuple(out), rep, dst)
 
 
 def _send(src_dev: int, dst_dev: int, t, shape, dtype):

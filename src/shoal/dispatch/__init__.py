@@ -11,10 +11,13 @@ replicated on Broadcast inputs, warn once, and are listed by ``coverage()``. The
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .. import aliasing, debug
+from .. import aliasing, boxing, debug
 from ..mesh import Mesh
+from ..ops.foreach import by_mesh, spans_meshes
+from ..sbp import Broadcast, sbp_str
+from ..spec import TensorSpec
 from ..tensor import GlobalTensor, _wrapper_device, install_dispatch, onto_mesh_of
 from ..world import world
 from .coverage import _DECISIONS, Coverage, coverage
@@ -102,9 +105,14 @@ def _run(func, args: tuple, kwargs: dict, forced=None):
     if dec is None:
         if func is _COPY and _across_meshes(args):
             return _copy_across_meshes(*args, **kwargs)
+        if _across_meshes_any(tensors):  # a stage on a sub-mesh meets the whole mesh's batch
+            if spans_meshes(func, args):  # an optimizer's foreach op over every stage: one call per mesh
+                return by_mesh(func, args, kwargs, lambda f, a, k: _run(f, a, k, forced))
+            args, kwargs = _onto_smallest_mesh(func, args, kwargs, tensors)
+            return _run(func, args, kwargs, forced)
         if simple:  # decisions work on templates
             targs, tkwargs = _retemplate(args)
-        mesh = _mesh_of(func, tensors)
+        mesh = _mesh_of(tensors)
         dec = decide(func, targs, tkwargs, [Input.of(t) for t in tensors], mesh, forced)
         dec = dec.bound(mesh.local_positions, _wrapper_device())  # what this process owns
         _DECISIONS.append(dec)
@@ -137,18 +145,80 @@ def _copy_across_meshes(dst, src, non_blocking: bool = False):
     return dispatch(_COPY, (dst, onto_mesh_of(src, dst), non_blocking), {})
 
 
-def _mesh_of(func, tensors) -> Mesh:
+def _mesh_of(tensors) -> Mesh:
+    """The one mesh of the op's GlobalTensors (``_onto_smallest_mesh`` put them there)."""
+    return next((t._spec.mesh for t in tensors if type(t) is _GT), None)
+
+
+def _across_meshes_any(tensors) -> bool:
     mesh = None
     for t in tensors:
-        if isinstance(t, _GT):
+        if type(t) is _GT:
             if mesh is None:
                 mesh = t._spec.mesh
             elif t._spec.mesh != mesh:
-                raise ValueError(
-                    f"shoal: {func} got GlobalTensors on different meshes: {mesh} and {t._spec.mesh}. "
-                    f"Move one with x.to_global(mesh, sbp) first."
-                )
-    return mesh
+                return True
+    return False
+
+
+def _onto_smallest_mesh(func, args: tuple, kwargs: dict, tensors) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every GlobalTensor on the op's smallest mesh.
+
+    A pipeline stage runs on a sub-mesh (``mesh.submesh(pp=i)``) while the batch lives on the whole
+    mesh, Broadcast over the stage axis: restricted to the sub-mesh, it keeps its own shards there
+    (exact, no data moved). Anything else raises: an implicit move would cost collectives. This runs
+    below autograd: the op's own backward takes gradients to the original tensors.
+    """
+    gts = [t for t in tensors if type(t) is _GT]
+    sub = min((t._spec.mesh for t in gts), key=lambda m: m.size)
+    pinned = _pinned(func, args, kwargs)
+    moved = {}
+    for t in gts:
+        spec = t._spec
+        if spec.mesh == sub:
+            continue
+        fixed = sub.fixed_in(spec.mesh)
+        if fixed is None and spec.mesh.shape == sub.shape and not torch.is_grad_enabled():
+            # another stage's sub-mesh, under no_grad (clipping's norms of every stage, an optimizer's
+            # step): sent over; with autograd on it stays an error (the gradient would land on this mesh)
+            dst = TensorSpec(spec.shape, spec.dtype, sub, spec.sbp)
+            moved[id(t)] = GlobalTensor._make(dst, boxing.box(t._shards, spec, dst), t.stride())
+            continue
+        if not fixed or not all(isinstance(spec.sbp[a], Broadcast) for a in fixed):
+            raise ValueError(_meshes_error(func, gts, sub, spec, fixed))
+        if id(t) in pinned:
+            raise ValueError(
+                f"shoal: {func} writes into (or returns a view of) a GlobalTensor on {spec.mesh}, but its other "
+                f"inputs are on the sub-mesh {sub}; it cannot run on the sub-mesh in place of that tensor. "
+                f"Move the other inputs with x.to_global({spec.mesh}, sbp) first.")
+        kept = tuple(s for a, s in enumerate(spec.sbp) if a not in fixed)
+        dst = TensorSpec(spec.shape, spec.dtype, sub, kept or (Broadcast(),) * sub.ndim)  # one device: any layout
+        moved[id(t)] = GlobalTensor._make(dst, boxing.box(t._shards, spec, dst), t.stride())
+    return tree_map_only(_GT, lambda t: moved.get(id(t), t), (args, kwargs))
+
+
+def _pinned(func, args: tuple, kwargs: dict) -> set[int]:
+    """ids of the tensors ``func`` writes or returns views of: they cannot be swapped for a copy."""
+    view, written = aliasing.effects(func)
+    out = {id(args[0])} if view and args else set()
+    for i, name in written:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        out.update(id(t) for t in (v if isinstance(v, (list, tuple)) else (v,)))
+    return out
+
+
+def _meshes_error(func, gts, sub: Mesh, spec, fixed) -> str:
+    """What went wrong with ``spec``'s mesh, which layouts would have run, and the fix."""
+    meshes = ", ".join(dict.fromkeys(f"{t._spec.mesh} {sbp_str(t._spec.sbp)}" for t in gts))
+    if fixed:
+        names = [spec.mesh.axes[a] for a in fixed]
+        why = (f"a tensor on {spec.mesh} moves onto its sub-mesh {sub} only when Broadcast on the fixed "
+               f"axes {names}, this one is {sbp_str(spec.sbp)}")
+    else:
+        why = (f"{spec.mesh} is neither the smallest mesh {sub} nor a mesh that {sub} is a sub-mesh of "
+               f"(mesh.submesh(...)) with the tensor Broadcast on the fixed axes")
+    return (f"shoal: {func} got GlobalTensors on different meshes: {meshes}; {why}. "
+            f"Move one with x.to_global(mesh, sbp) first.")
 
 
 install_dispatch(dispatch)

@@ -379,3 +379,38 @@ register(
         name="foreach_norm",
     ),
 )
+
+
+
+def _mesh_groups(args: tuple) -> list[list[int]]:
+    """A foreach op's list indices grouped by the mesh of their GlobalTensors (one group: one mesh)."""
+    lists = [j for j, a in enumerate(args) if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    if not lists:
+        return []
+    groups: dict = {}
+    for i in range(len(args[lists[0]])):
+        m = next((args[j][i]._spec.mesh for j in lists if hasattr(args[j][i], "_spec")), None)
+        groups.setdefault(m, []).append(i)
+    return list(groups.values())
+
+
+def spans_meshes(func, args: tuple) -> bool:
+    return func.__name__.startswith("_foreach_") and len(_mesh_groups(args)) > 1
+
+
+def by_mesh(func, args: tuple, kwargs: dict, run):
+    """A foreach op whose lists hold GlobalTensors of several meshes (a model's pipeline stages, an
+    optimizer over all of them): one call per mesh on the indices there, through ``run(func, args,
+    kwargs)`` (dispatch); results put back in index order (None for an op that returns nothing)."""
+    groups = _mesh_groups(args)
+    n = sum(len(idx) for idx in groups)
+    out: list = [None] * n
+    returned = False
+    for idx in groups:
+        sub = tuple([a[i] for i in idx] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args)
+        res = run(func, sub, kwargs)
+        if isinstance(res, (list, tuple)):
+            returned = True
+            for i, r in zip(idx, res):
+                out[i] = r
+    return out if returned else None
