@@ -98,3 +98,22 @@ def test_memory_per_device_counts_gradients():
                       progress=False, sample=0, model_args={"n_layer": 1, "n_embd": 32, "block_size": 16})
     r = train(cfg)
     assert r.memory == {d: 4 * r.params * 4 for d in range(4)}
+
+
+@pytest.mark.parametrize("plan,mesh,schedule", [("pp,dp", (2, 2), "1f1b"), ("pp,dp", (2, 2), "zb")])
+def test_pipelined_training_equals_data_parallel(plan, mesh, schedule):
+    """``shoal train gpt --plan pp,dp --mesh 2x2 --micro-batches 4``: the same losses as ``--plan dp``
+    (micro-batches of equal size: the mean of their mean losses is the batch's)."""
+    small = {"n_layer": 2, "n_embd": 32, "block_size": 16}
+    common = dict(model="gpt", devices=4, steps=3, batch=8, save=False, verbose=False, progress=False, sample=0,
+                  model_args=small)
+    want = train(TrainConfig(plan="dp", **common)).losses
+    got = train(TrainConfig(plan=plan, mesh=mesh, micro_batches=4, schedule=schedule, **common)).losses
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_pipelined_plans_say_what_they_need():
+    with pytest.raises(ValueError, match="--mesh"):
+        train(TrainConfig(plan="pp,dp", micro_batches=4, verbose=False, save=False))
+    with pytest.raises(ValueError, match="--micro-batches"):
+        train(TrainConfig(plan="pp,dp", mesh=(2, 2), verbose=False, save=False))

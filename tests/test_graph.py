@@ -475,7 +475,7 @@ def test_chrome_trace(tmp_path):
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (threads[tid], a, b)
 
 
-def test_micro_batches_equal_calling_the_step_once_per_micro_batch():
+def test_pieces_equal_calling_the_step_once_per_piece():
     """State carries from piece to piece as if the step ran M times (here: gradients accumulate)."""
     mesh = shoal.Mesh([0, 1])
     torch.manual_seed(0)
@@ -494,7 +494,7 @@ def test_micro_batches_equal_calling_the_step_once_per_micro_batch():
 
     x = torch.randn(8, 6)
     want = [fwd_bwd(b, x[2 * k:2 * k + 2]).item() for k in range(4)]
-    got = shoal.compile(fwd_bwd, micro_batches=4)(a, x)
+    got = shoal.compile(fwd_bwd, pieces=4)(a, x)
     assert [t.item() for t in got] == pytest.approx(want, rel=1e-6)
     for p, q in zip(a.parameters(), b.parameters()):
         assert_same_value(p.grad, q.grad.full(), rtol=1e-6, atol=1e-7)
@@ -522,7 +522,7 @@ def test_two_stage_pipeline_overlaps_micro_batches(tmp_path):
         return loss
 
     x = torch.randn(4 * 128, 256)
-    compiled = shoal.compile(pipe, micro_batches=4)
+    compiled = shoal.compile(pipe, pieces=4)
     outs = compiled(m0, m1, shoal.to_global(x, s0, shoal.B))
     for k, o in enumerate(outs):
         want = ref1(ref0(x[128 * k:128 * (k + 1)])).square().mean()
@@ -613,12 +613,12 @@ def test_dropout_draws_the_eager_masks():
         assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)
 
 
-def test_micro_batches_with_the_optimizer_inside_equal_sequential_steps():
+def test_pieces_with_the_optimizer_inside_equal_sequential_steps():
     """Each micro-batch updates the parameters the next one reads: M pieces in flight give M eager
     steps. The first call's graph creates the optimizer state, so it takes one piece and the rest
     run on the graph traced with the state in place."""
     (a, oa), (b, ob) = build("gpt", "dp"), build("gpt", "dp")
-    compiled = shoal.compile(step, micro_batches=3)
+    compiled = shoal.compile(step, pieces=3)
     data = batches("gpt")[:3]
     x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
     for _ in range(2):

@@ -112,3 +112,13 @@ def test_a_mesh_makes_no_process_group_until_a_collective_needs_it():
     assert code == 0, out[-4000:]
     for r, groups in enumerate(["[(0, 1, 3)]", "[(0, 1, 3), (1, 2)]", "[(1, 2)]", "[(0, 1, 3)]"]):
         assert f"GROUPS OK rank {r}: {groups}" in out, out[-4000:]
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stages_on_two_processes_equal_one_device():
+    """One stage per process: activations and their gradients cross by point-to-point sends, in an
+    order that cannot deadlock (GPipe's all-forwards-first included)."""
+    code, out, _ = shoal_run(2, 1, "pipeline_worker.py", timeout=180)
+    assert code == 0, out[-4000:]
+    for r in range(2):
+        assert f"OK rank {r} of 2 x 1 devices" in out, out[-4000:]

@@ -24,8 +24,9 @@ def _mesh(text: str) -> tuple[int, ...]:
         shape = tuple(int(n) for n in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"mesh {text!r}: expected sizes joined by 'x', e.g. 4 or 2x2") from None
-    if not 1 <= len(shape) <= 2 or any(n < 1 for n in shape):
-        raise argparse.ArgumentTypeError(f"mesh {text!r}: expected a 1-D or 2-D shape of positive sizes, e.g. 2x2")
+    if not 1 <= len(shape) <= 3 or any(n < 1 for n in shape):
+        raise argparse.ArgumentTypeError(f"mesh {text!r}: expected a 1-D, 2-D or 3-D shape of positive sizes, e.g. "
+                                         "2x2")
     return shape
 
 
@@ -57,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
         choices=training.PLANS,
         metavar="PLAN",
         help="dp: data parallel; tp: Megatron tensor parallel; dp,tp: both on a 2-D mesh; zero: dp with "
-        "the optimizer state split; none: plain torch on one device (default %(default)s)",
+        "the optimizer state split; pp,dp and pp,dp,tp: pipeline stages first (--mesh 2x2, 2x2x2; with "
+        "--micro-batches); none: plain torch on one device (default %(default)s)",
     )
     t.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
     t.add_argument("--batch", type=int, default=d.batch, help="global batch size (default %(default)s)")
@@ -81,6 +83,10 @@ def parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     t.add_argument("--compile", action="store_true", help="run each step as a compiled graph (shoal.compile)")
+    t.add_argument("--micro-batches", type=int, default=d.micro_batches,
+                   help="train each step in this many micro-batches, compiled (pp plans need it; default %(default)s)")
+    t.add_argument("--schedule", default=d.schedule, choices=("gpipe", "1f1b", "interleaved", "zb"),
+                   help="pipeline schedule for pp plans (default %(default)s)")
     sub.add_parser(
         "run",
         help="run a script on P processes (torchrun): shoal run -n P [--devices-per-process K] script.py ...",

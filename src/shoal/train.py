@@ -27,6 +27,7 @@ from .graph.api import compile as compile_step
 from .mesh import Mesh
 from .models import bert, gpt, kinds, resnet
 from .parallel import Plan, distribute_module, memory_per_device, shard_optimizer_state
+from .sbp import B
 from .tensor import GlobalTensor
 from .world import init, is_initialized, world
 
@@ -44,7 +45,8 @@ MODELS = {
     "bert": Bundled(bert.BERT, bert.BERTConfig, bert.plans),
     "resnet": Bundled(resnet.ResNet, resnet.ResNetConfig, resnet.plans),
 }
-PLANS = (*kinds.KINDS, "none")  # none: plain torch on one device, the reference
+PIPELINED = ("pp,dp", "pp,dp,tp")  # a pipeline axis first, then a plan kind on each stage's sub-mesh
+PLANS = (*kinds.KINDS, *PIPELINED, "none")  # none: plain torch on one device, the reference
 OPTIMIZERS = ("adamw", "sgd")
 DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.05}
 
@@ -71,6 +73,8 @@ class TrainConfig:
     progress: bool = True  # a tqdm progress bar
     verbose: bool = True  # print the plan, the loss every ``every`` steps and a summary
     compile: bool = False  # run the step as a compiled graph (shoal.compile) instead of eagerly
+    micro_batches: int = 1  # > 1: a compiled pipelined step over that many micro-batches (pp plans need it)
+    schedule: str = "1f1b"  # the pipeline schedule: gpipe | 1f1b | interleaved | zb
 
 
 @dataclass
@@ -88,6 +92,9 @@ class Result:
 def mesh_shape(cfg: TrainConfig) -> tuple[int, ...]:
     if cfg.mesh is not None:
         return tuple(cfg.mesh)
+    if cfg.plan in PIPELINED:
+        raise ValueError(f"plan {cfg.plan!r} needs --mesh: pipeline stages first, e.g. "
+                         f"{'2x2' if cfg.plan == 'pp,dp' else '2x2x2'}")
     if cfg.plan == "dp,tp":
         if cfg.devices < 4 or cfg.devices % 2:
             raise ValueError(f"plan 'dp,tp' needs a 2-D mesh: give --mesh, e.g. 2x{max(cfg.devices // 2, 1)}")
@@ -118,9 +125,37 @@ def check(cfg: TrainConfig) -> None:
             f"mesh {'x'.join(map(str, shape))} has {math.prod(shape)} devices but devices is {cfg.devices}; "
             f"make them agree (e.g. --devices {math.prod(shape)})"
         )
-    ax = kinds.axes(shape, cfg.plan)
-    if ax.dp is not None and cfg.batch < shape[ax.dp]:
-        raise ValueError(f"batch {cfg.batch} is smaller than the {shape[ax.dp]} data-parallel devices")
+    if cfg.plan in PIPELINED:
+        if cfg.micro_batches < 2:
+            raise ValueError(f"plan {cfg.plan!r} trains in micro-batches: give --micro-batches, e.g. {2 * shape[0]}")
+        shape = shape[1:]
+    if cfg.micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, got {cfg.micro_batches}")
+    ax = kinds.axes(shape, _stage_kind(cfg.plan))
+    if ax.dp is not None and cfg.batch < shape[ax.dp] * cfg.micro_batches:
+        raise ValueError(f"batch {cfg.batch} is smaller than the {shape[ax.dp]} data-parallel devices x "
+                         f"{cfg.micro_batches} micro-batches")
+
+
+def _stage_kind(plan: str) -> str:
+    """The plan kind each pipeline stage's sub-mesh takes (the plan itself when not pipelined)."""
+    return plan.removeprefix("pp,")
+
+
+def _lay_out(cfg: TrainConfig, model: nn.Module, shape: tuple[int, ...]) -> tuple[Mesh, Plan]:
+    """The mesh and the model's plan for ``cfg.plan``; a pipelined plan is the stage kind's plan on
+    each stage's sub-mesh, stages cut by parameter count (``Plan(stages="auto")``)."""
+    ids = torch.arange(cfg.devices).reshape(shape).tolist()
+    if cfg.plan in PIPELINED:
+        mesh = Mesh(ids, axes=cfg.plan.split(","))
+        inner = MODELS[cfg.model].plans(mesh.submesh(pp=0), _stage_kind(cfg.plan))
+        batch = inner.inputs[""]
+        plan = Plan(params=inner.params, inputs={"": (B, *(batch if isinstance(batch, tuple) else (batch,)))},
+                    stages="auto")
+        return mesh, plan
+    names = ("dp", "tp") if len(shape) == 2 else ("tp",) if cfg.plan == "tp" else ("dp",)
+    mesh = Mesh(ids, axes=names)
+    return mesh, MODELS[cfg.model].plans(mesh, cfg.plan)
 
 
 def _model_config(cfg: TrainConfig, **decided):
@@ -221,10 +256,7 @@ def train(cfg: TrainConfig) -> Result:
     if shape is not None:
         if not is_initialized() or world().size != cfg.devices:
             init(devices=cfg.devices)
-        names = ("dp", "tp") if len(shape) == 2 else ("tp",) if cfg.plan == "tp" else ("dp",)
-        ids = torch.arange(cfg.devices).reshape(shape).tolist()
-        mesh = Mesh(ids, axes=names)
-        plan = MODELS[cfg.model].plans(mesh, cfg.plan)
+        mesh, plan = _lay_out(cfg, model, shape)
         distribute_module(model, mesh, plan)
     opt = make_optimizer(cfg, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
@@ -244,10 +276,11 @@ def train(cfg: TrainConfig) -> Result:
         # disable=None: no bar when the output is not a terminal (logs, CI)
         bar = tqdm(range(n), desc=f"{cfg.model} {cfg.plan}", unit="step", disable=None if cfg.progress else True)
         run_step = train_step
-        if cfg.compile:
+        if cfg.compile or cfg.micro_batches > 1:
             if shape is None:
-                raise ValueError("shoal train: --compile needs a plan (graph mode runs GlobalTensors); not --plan none")
-            run_step = compile_step(train_step)
+                raise ValueError("shoal train: --compile and --micro-batches need a plan (graph mode runs "
+                                 "GlobalTensors); not --plan none")
+            run_step = compile_step(train_step, micro_batches=cfg.micro_batches, schedule=cfg.schedule)
         for step in bar:
             model.train()
             x, y = batches("train", gen)
@@ -327,7 +360,9 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
         else:
             devices = f"{cfg.devices} {kind} devices"
         where = f"plan {cfg.plan} on mesh {'x'.join(map(str, shape))} ({devices})"
-        where += ", each step a compiled graph" if cfg.compile else ", eager"
+        where += ", each step a compiled graph" if cfg.compile or cfg.micro_batches > 1 else ", eager"
+        if cfg.micro_batches > 1:
+            where += f" of {cfg.micro_batches} micro-batches ({cfg.schedule})"
     print(f"shoal train: {cfg.model} ({params / 1e6:.2f}M parameters; {mcfg})")
     print(f"  {where}; batch {cfg.batch}, {cfg.steps} steps, seed {cfg.seed}, {torch.get_num_threads()} thread(s)")
     print(f"  {cfg.optimizer}, lr {lr:g} after {warm} warmup steps, cosine decay to {lr / 10:g}")

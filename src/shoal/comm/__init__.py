@@ -200,8 +200,10 @@ def all_to_all(devices: Sequence[int], shards: Shards, src_dim: int, dst_dim: in
 
 
 @collective(p2p=True)
-def transfer(src: int, dst: int, t: torch.Tensor | None, shape=None, dtype=None) -> torch.Tensor | None:
-    """Point-to-point: what device ``src`` holds, now held by device ``dst`` (None where neither is ours)."""
+def transfer(src: int, dst: int, t: torch.Tensor | None, shape=None, dtype=None,
+             channel: int | None = None) -> torch.Tensor | None:
+    """Point-to-point: what device ``src`` holds, now held by device ``dst`` (None where neither is
+    ours). Across processes on the pair's ``channel`` (``comm.dist._group``) when given."""
     w = world()
     if w.owns(src) and w.owns(dst):
         record("send_recv", _nbytes(t))
@@ -209,11 +211,11 @@ def transfer(src: int, dst: int, t: torch.Tensor | None, shape=None, dtype=None)
         return t if t.device == td else t.to(td)
     if w.owns(src):
         record("send_recv", _nbytes(t))
-        _dist.send(t, w.process_of(dst))
+        _dist.send(t, w.process_of(dst), channel)
         return None
     if w.owns(dst):
         buf = torch.empty(shape, dtype=dtype, device=w.torch_device(dst))
-        _dist.recv(buf, w.process_of(src))
+        _dist.recv(buf, w.process_of(src), channel)
         return buf
     return None
 

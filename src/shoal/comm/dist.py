@@ -19,40 +19,42 @@ from ..world import FAILED_KEY, world
 
 __all__ = ["all_reduce", "gather_along", "send", "recv", "groups_made"]
 
-_GROUPS: dict[tuple[int, ...], object] = {}
+_GROUPS: dict[tuple, object] = {}  # (ranks, channel) -> process group
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def _group(ranks: Sequence[int]):
+def _group(ranks: Sequence[int], channel: int | None = None):
     """The process group of ``ranks`` (sorted), made on first use by those ranks alone: a backend
     group on the rendezvous store under a prefix naming the ranks. (torch's ``new_group`` wants every
-    rank to call it, or, with group-local synchronization, hangs when a rank joins a second group.)"""
-    key = tuple(ranks)
+    rank to call it, or, with group-local synchronization, hangs when a rank joins a second group.)
+    A ``channel`` is a group of its own over the same ranks: its operations are ordered only among
+    themselves (a pipeline's activations and gradients flow in opposite directions at once)."""
+    key = (tuple(ranks), channel)
     g = _GROUPS.get(key)
     if g is None:
-        if len(key) == dist.get_world_size():
+        if len(key[0]) == dist.get_world_size() and channel is None:
             g = dist.group.WORLD
         else:
             if not any(v is not dist.group.WORLD for v in _GROUPS.values()):
                 # registered after shoal.init's shutdown, so run before it: the groups are dropped
                 # while the interpreter is whole (see world.shutdown)
                 atexit.register(_GROUPS.clear)
-            store = dist.PrefixStore("shoal/group/" + "-".join(map(str, key)),
-                                     dist.distributed_c10d._get_default_store())
-            me, timeout = key.index(dist.get_rank()), datetime.timedelta(seconds=world().timeout)
+            name = "-".join(map(str, key[0])) + ("" if channel is None else f"/channel{channel}")
+            store = dist.PrefixStore("shoal/group/" + name, dist.distributed_c10d._get_default_store())
+            me, timeout = key[0].index(dist.get_rank()), datetime.timedelta(seconds=world().timeout)
             if dist.get_backend() == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
-                g = dist.ProcessGroupNCCL(store, me, len(key), opts)
+                g = dist.ProcessGroupNCCL(store, me, len(key[0]), opts)
             else:
-                g = dist.ProcessGroupGloo(store, me, len(key), timeout)
+                g = dist.ProcessGroupGloo(store, me, len(key[0]), timeout)
         _GROUPS[key] = g
     return g
 
 
 def _all_reduce(t: torch.Tensor, op, ranks: Sequence[int]):
     """Start an in-place all_reduce over ``ranks``; its work handle."""
-    g = _group(ranks)
+    g = _group(tuple(ranks))
     if g is dist.group.WORLD:
         return dist.all_reduce(t, op=op, async_op=True)
     opts = dist.AllreduceOptions()
@@ -63,7 +65,7 @@ def _all_reduce(t: torch.Tensor, op, ranks: Sequence[int]):
 def groups_made() -> list[tuple[int, ...]]:
     """The rank sets whose process groups this process has made so far (not the default group,
     ``shoal.init``'s)."""
-    return sorted(k for k, g in _GROUPS.items() if g is not dist.group.WORLD)
+    return sorted({k[0] for k, g in _GROUPS.items() if g is not dist.group.WORLD})
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -149,18 +151,28 @@ def gather_along(full: torch.Tensor, shards, sizes: Sequence[int], dim: int, ran
     return full
 
 
-def send(t: torch.Tensor, rank: int) -> None:
+def _p2p(t: torch.Tensor, peer: int, channel: int | None, sending: bool):
+    """Send ``t`` to, or receive it from, rank ``peer``: on the default group, or on the pair's
+    ``channel`` group (see ``_group``); waits."""
+    if channel is None:
+        return (dist.send if sending else dist.recv)(t, peer)
+    pair = tuple(sorted((dist.get_rank(), peer)))
+    g = _group(pair, channel)
+    return (g.send if sending else g.recv)([t], pair.index(peer), 0).wait()
+
+
+def send(t: torch.Tensor, rank: int, channel: int | None = None) -> None:
     if t.device.type == "meta":
         return
     w = _wire(t.contiguous())
-    _guarded(f"send to rank {rank}", [dist.get_rank(), rank], lambda: dist.send(w, rank))
+    _guarded(f"send to rank {rank}", [dist.get_rank(), rank], lambda: _p2p(w, rank, channel, True))
 
 
-def recv(buf: torch.Tensor, rank: int) -> None:
+def recv(buf: torch.Tensor, rank: int, channel: int | None = None) -> None:
     if buf.device.type == "meta":
         return
     w = _wire(buf)
-    _guarded(f"recv from rank {rank}", [rank, dist.get_rank()], lambda: dist.recv(w, rank))
+    _guarded(f"recv from rank {rank}", [rank, dist.get_rank()], lambda: _p2p(w, rank, channel, False))
     if w is not buf:
         buf.copy_(w.to(torch.bool))
 

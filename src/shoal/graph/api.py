@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 
 from .. import aliasing
 from ..dispatch.execute import _region
 from ..tensor import GlobalTensor
+from . import pipeline
 from .capture import capture, function_key, globals_key, guard_key, leaves
 from .ir import Graph, Ref, Value
 from .lower import LoweredPlan, lower
@@ -24,21 +26,37 @@ _MANY_TRACES = 8
 class CompiledStep:
     """A step function compiled per guard key (input shapes, dtypes, meshes, layouts, state).
 
-    ``micro_batches`` M > 1 splits every tensor argument along dim 0 into M pieces and runs the
-    step on each in turn, several in flight (the result is the list of M results); state carries
-    from piece to piece exactly as if the step were called M times.
+    ``micro_batches`` M > 1 trains pipelined (``graph.pipeline``): every tensor argument is cut into
+    M micro-batches along dim 0, forward and backward run per micro-batch in ``schedule``'s order
+    per stage ("1f1b", "gpipe", "interleaved", "zb") with gradients accumulated, scaled for the
+    loss's reduction (``loss="mean"`` or ``"sum"``), and ``zero_grad``, clipping and ``opt.step()``
+    run once, so a call equals one step on the whole batch. It returns what the step returns, a 0-dim
+    float averaged over micro-batches (summed for ``"sum"``), other tensors concatenated.
+    ``pieces`` P > 1 instead runs the whole step (optimizer included) on each of P pieces in turn,
+    several in flight, state carried from piece to piece, and returns the P results.
     """
 
     def __init__(self, fn, backend: str | None = None, micro_batches: int = 1, registers: int = 2,
-                 passes: bool = True) -> None:
+                 passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1) -> None:
         if backend not in (None, "inductor"):
             raise ValueError(f"shoal.compile: unknown backend {backend!r}; use None or 'inductor'")
-        if micro_batches < 1:
-            raise ValueError(f"shoal.compile: micro_batches must be >= 1, got {micro_batches}")
-        self.fn, self.backend, self.micro_batches = fn, backend, micro_batches
+        if micro_batches < 1 or pieces < 1:
+            raise ValueError(f"shoal.compile: micro_batches and pieces must be >= 1, got {micro_batches}, {pieces}")
+        if micro_batches > 1 and pieces > 1:
+            raise ValueError("shoal.compile: give micro_batches (one step over the whole batch) or pieces (one step "
+                             "per piece), not both")
+        if loss not in pipeline.LOSSES:
+            raise ValueError(f"shoal.compile: loss={loss!r}; say how the step's loss reduces its batch: "
+                             f"{pipeline.LOSSES}")
+        from ..runtime import schedules
+
+        schedules.schedule(schedule, 2, 2, 2 if schedule == "interleaved" else 1)  # an unknown name fails here
+        self.fn, self.backend, self.micro_batches, self.pieces = fn, backend, micro_batches, pieces
+        self.schedule, self.loss = schedule, loss
         self.registers, self.passes = registers, passes
         self._cache: dict = {}
         self._last = None
+        self._pipes: dict = {}  # body graph id -> (Calls, params, tail function)
         self.compile_seconds = 0.0  # the last trace and compile
         self.compile_seconds_total = 0.0  # every one so far
         self.traces = 0
@@ -65,20 +83,34 @@ class CompiledStep:
 
     @property
     def timeline(self) -> list:
-        return [] if self._last is None else self._last[2].timeline
+        """The last call's firings (a pipelined step's micro-batches, then its tail)."""
+        if self._last is None:
+            return []
+        return self._last[2].timeline + (self._tail_timeline if self.micro_batches > 1 else [])
+
+    def simulate(self, durations) -> list:
+        """The last pipelined call's micro-batches replayed on a virtual clock (``Runtime.simulate``):
+        ``durations`` a function of the task, or a dict phase ("F", "B", "W", "comm") -> seconds."""
+        if self._last is None:
+            raise RuntimeError("shoal.compile: call the step once first")
+        return self._last[2].simulate(durations, max(self.micro_batches, 1))
 
     # -- calling --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if self.micro_batches == 1:
-            return self._run([(args, kwargs)])[0]
-        pieces = _split(args, kwargs, self.micro_batches)
+        if self.micro_batches > 1:
+            return self._pipelined(args, kwargs)
+        if self.pieces == 1:
+            return self._run([(args, kwargs)])[0][0]
+        pieces = pipeline.cut(args, kwargs, self.pieces, per_shard=False)
         outs: list = []
         while len(outs) < len(pieces):  # a graph creating state runs one piece: the next reads that state
-            outs += self._run(pieces[len(outs):])
+            outs += self._run(pieces[len(outs):])[0]
         return outs
 
-    def _entry(self, key, args, kwargs):
-        """The compiled graph for guard key ``key`` whose baked-in globals still hold (else a new trace)."""
+    def _entry(self, key, args, kwargs, fn=None, pipe=None):
+        """The compiled graph for guard key ``key`` whose baked-in globals still hold (else a new trace).
+        ``pipe``: (Calls, Stages) to trace ``fn`` as a pipelined step's body."""
+        fn = fn or self.fn
         entries = self._cache.setdefault(key, [])
         entry = next((e for e in entries if globals_key(e[0].globals_read) == e[4]), None)
         if entry is None:
@@ -91,14 +123,31 @@ class CompiledStep:
                               "number as a tensor argument", stacklevel=4)
 
             t0 = time.perf_counter()
-            g = capture(self.fn, args, kwargs)
+            if pipe is None:
+                g = capture(fn, args, kwargs)
+            else:
+                calls, stages = pipe
+                opts = [o for _, o in leaves(args, kwargs, fn) if isinstance(o, torch.optim.Optimizer)]
+                with pipeline.deferring(opts, self.micro_batches, self.loss, calls):
+                    g = capture(fn, args, kwargs, optimizers=False)
+                if not calls.backwards:
+                    raise ValueError("shoal.compile: micro_batches > 1 trains in micro-batches, but the step calls no "
+                                     "backward(); for inference over pieces use pieces=")
             if self.passes:
                 run_passes(g)
+            orders, registers = None, self.registers
+            if pipe is not None and stages is not None:
+                pipeline.tag(g, stages)
+                if self.schedule == "zb":
+                    pipeline.split_weight_grads(g, stages)
             # a step that creates state (an optimizer's first step) runs once with this structure:
             # not worth an inductor compile, and not to be repeated for the next micro-batch
             creates = any(s.before is None and s.after is not None for s in g.slots)
-            plan = lower(g, None if creates else self.backend)
-            entry = (g, plan, Runtime(plan, self.registers), creates, globals_key(g.globals_read))
+            plan = lower(g, None if creates else self.backend, pipelined=pipe is not None)
+            if pipe is not None and stages is not None:
+                orders, registers = pipeline.device_orders(plan, stages, self.schedule, self.micro_batches)
+                pipeline.plan_memory(plan, orders, stages)
+            entry = (g, plan, Runtime(plan, registers, orders=orders), creates, globals_key(g.globals_read))
             entries.append(entry)
             self.compile_seconds = time.perf_counter() - t0
             self.compile_seconds_total += self.compile_seconds
@@ -107,32 +156,83 @@ class CompiledStep:
                            f"bytes per device {plan.peak_bytes}")
         return entry
 
-    def _run(self, pieces: list) -> list:
+    def _run(self, pieces: list, fn=None, pipe=None, tag=()) -> list:
         """Run as many of ``pieces`` ((args, kwargs) each) as the first one's graph can take in flight;
         their results."""
+        fn = fn or self.fn
         args, kwargs = pieces[0]
-        objs = leaves(args, kwargs, self.fn)
+        objs = leaves(args, kwargs, fn, pipe is None)
         key, places = guard_key(objs)
-        entry = self._entry((function_key(self.fn), key), args, kwargs)
+        entry = self._entry((tag, function_key(fn), key), args, kwargs, fn, pipe)
         self._last = entry
         g, plan, rt, creates, _ = entry
         if creates:
             pieces = pieces[:1]
         static = _bind(g, plan, objs, places)
-        per_piece = ([_bind_inputs(g, plan, leaves(*p, self.fn), k) for k, p in enumerate(pieces)] if len(pieces) > 1
-                     else None)
+        per_piece = ([_bind_inputs(g, plan, leaves(*p, fn, pipe is None), k) for k, p in enumerate(pieces)]
+                     if len(pieces) > 1 else None)
         results, final = rt.run(static, len(pieces), per_piece)
         _write_state(g, static, final)
-        return [_build(g.outputs, r, static) for r in results]
+        return [_build(g.outputs, r, static) for r in results], entry
+
+    def _pipelined(self, args, kwargs):
+        """One step over the whole batch in micro-batches: the body per micro-batch, then the tail."""
+        m = self.micro_batches
+        objs = leaves(args, kwargs, self.fn)
+        stages = pipeline.stages_of(objs)
+        params = pipeline.trainable(objs)
+        axes = pipeline.data_axes(objs, None if stages is None else stages.axis)
+        accs = pipeline.accumulators(params, axes)
+        saved = [p.grad for p in params]
+        pieces = pipeline.cut(args, kwargs, m)
+        key = ("body", self.schedule, m)
+        calls = self._pipes.get(key) or pipeline.Calls()
+        for p, acc in zip(params, accs):
+            p.grad = acc
+        try:
+            outs, body = self._run_body(pieces, calls, stages, key)
+        finally:
+            accs = [p.grad for p in params]
+            for p, g in zip(params, saved):
+                p.grad = g
+        self._pipes[key] = calls
+        owners = [o for _, o in objs if isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
+        tail = self._pipes.setdefault(("tail", id(calls)), pipeline.tail_fn(params, calls))
+        _, tail_entry = self._run([((owners, accs), {})], tail, None, ("tail", key))
+        self._tail_timeline = [replace(f, phase="opt" if f.phase != "comm" else f.phase)
+                               for f in tail_entry[2].timeline]
+        self._last = body
+        return pipeline.combine(outs, self.loss)
+
+    def _run_body(self, pieces, calls, stages, key):
+        from ..runtime import Runtime  # noqa: F401 - the entry makes one
+
+        gate = {}
+        for reducer in _reducers(leaves(*pieces[0], self.fn)):
+            gate[reducer] = reducer.paused
+            reducer.paused = True  # the accumulators are reduced once, by the tail
+        try:
+            outs, entry = self._run(pieces, None, (calls, stages), key)
+        finally:
+            for reducer, was in gate.items():
+                reducer.paused = was
+        return outs, entry
+
+
+def _reducers(objs) -> list:
+    return [o._shoal_reducer for _, o in objs if isinstance(o, torch.nn.Module) and hasattr(o, "_shoal_reducer")]
 
 
 def compile(fn=None, *, backend: str | None = None, micro_batches: int = 1, registers: int = 2,  # noqa: A001
-            passes: bool = True):
+            passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1):
     """Compile a step (forward, backward, optimizer) into a static graph run on the actor runtime.
-    Use as ``@shoal.compile`` or ``shoal.compile(fn, backend="inductor", micro_batches=4)``."""
+    Use as ``@shoal.compile`` or ``shoal.compile(fn, micro_batches=8, schedule="1f1b")``
+    (``CompiledStep`` says what the options mean)."""
+    opts = dict(backend=backend, micro_batches=micro_batches, registers=registers, passes=passes,
+                schedule=schedule, loss=loss, pieces=pieces)
     if fn is None:
-        return lambda f: CompiledStep(f, backend, micro_batches, registers, passes)
-    return CompiledStep(fn, backend, micro_batches, registers, passes)
+        return lambda f: CompiledStep(f, **opts)
+    return CompiledStep(fn, **opts)
 
 
 # -- binding ------------------------------------------------------------------------------------
@@ -240,23 +340,3 @@ def _build(o, results: dict, static: dict):
     if isinstance(o, dict):
         return {k: _build(e, results, static) for k, e in o.items()}
     return o
-
-
-def _split(args, kwargs, m: int) -> list:
-    """The arguments of each micro-batch: every tensor cut into ``m`` equal parts along dim 0."""
-
-    def cut(o, k):
-        if isinstance(o, torch.Tensor):
-            n = o.shape[0]
-            if n % m:
-                raise ValueError(f"shoal.compile: micro_batches={m} does not divide a batch of {n}")
-            b = n // m
-            return o[k * b:(k + 1) * b]
-        if isinstance(o, (list, tuple)):
-            return type(o)(cut(e, k) for e in o)
-        if isinstance(o, dict):
-            return {kk: cut(e, k) for kk, e in o.items()}
-        return o
-
-    with torch.no_grad():
-        return [(tuple(cut(a, k) for a in args), {n: cut(v, k) for n, v in kwargs.items()}) for k in range(m)]

@@ -51,14 +51,17 @@ def _walk(obj, path: str, out: list) -> None:
         out.append((path, obj))
 
 
-def leaves(args: tuple, kwargs: dict, fn=None) -> list:
+def leaves(args: tuple, kwargs: dict, fn=None, optimizers: bool = True) -> list:
     """(path, object) of every leaf of a step's arguments, then of what ``fn`` reads without taking
-    it as an argument (``implicit``)."""
+    it as an argument (``implicit``); without the optimizers unless ``optimizers`` (a pipelined
+    step's body, which defers them, neither reads nor depends on their state)."""
     out: list = []
     _walk(list(args), "args", out)
     _walk(kwargs, "kwargs", out)
     if fn is not None:
         out += implicit(fn)
+    if not optimizers:
+        out = [(path, o) for path, o in out if not isinstance(o, torch.optim.Optimizer)]
     return out
 
 
@@ -274,8 +277,12 @@ def _fusable(opt, grp: dict) -> bool:
     laid out as the parameter (not under ZeRO, which splits the state only)."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or "fused" not in grp or grp.get("differentiable"):
         return False
+    meshes = set()
     for p in grp["params"]:
         if not isinstance(p, GlobalTensor) or not p.dtype.is_floating_point or p.is_complex():
+            return False
+        meshes.add(p._spec.mesh)
+        if len(meshes) > 1:  # pipeline stages: one kernel cannot span them
             return False
         for v in opt.state.get(p, {}).values():
             if isinstance(v, GlobalTensor) and (v._spec.mesh != p._spec.mesh or v._spec.sbp != p._spec.sbp):
@@ -324,12 +331,13 @@ def _same_random_state():
     return torch.random.fork_rng(devices=cuda)
 
 
-def capture(fn, args: tuple, kwargs: dict) -> Graph:
-    """Trace ``fn(*args, **kwargs)`` into a Graph; every tensor and state is as it was afterwards."""
+def capture(fn, args: tuple, kwargs: dict, optimizers: bool = True) -> Graph:
+    """Trace ``fn(*args, **kwargs)`` into a Graph; every tensor and state is as it was afterwards.
+    ``optimizers``: whether the optimizers among its arguments are part of its state (``leaves``)."""
     t0 = time.perf_counter()
     tr = Tracer()
     g = tr.g
-    objs = leaves(args, kwargs, fn)
+    objs = leaves(args, kwargs, fn, optimizers)
     slots = state_slots(objs)
     opts = [o for _, o in objs if isinstance(o, torch.optim.Optimizer)]
     saved_gt: dict[int, tuple] = {}  # id -> (tensor, shards, spec, resolved)

@@ -72,6 +72,8 @@ class Op:
     out_ids: tuple[int, ...] = ()  # Locals produced
     devices: tuple[int, ...] = ()  # comm: the devices taking part
     share_out: bool = True  # comm: equal results on several devices may be one tensor (none is written)
+    phase: str = "F"  # a pipelined step's part: "F" forward, "B" backward (input gradients), "W" weight gradients
+    stage: int | None = None  # a pipelined step's model stage (None: not staged)
 
     def name(self) -> str:
         if self.kind == "comm":

@@ -29,10 +29,12 @@ class Thread:
 
     kind: str  # "dev" | "comm" | "host"
     device: int | None = None
+    lane: int | None = None  # a point-to-point transfer of a pipelined step across processes: its own thread
 
     @property
     def name(self) -> str:
-        return self.kind if self.device is None else f"{self.kind}{self.device}"
+        name = self.kind if self.device is None else f"{self.kind}{self.device}"
+        return name if self.lane is None else f"{name}.{self.lane}"
 
 
 @dataclass(eq=False)
@@ -47,6 +49,9 @@ class Task:
     run: object = None  # callable(list of imports) -> tuple of exports
     source: str = ""
     thread: Thread = Thread("host")
+    phase: str = "F"  # a pipelined step's: "F", "B" or "W" (its ops')
+    stage: int | None = None  # a pipelined step's model stage (its ops')
+    channel: int | None = None  # a transfer across processes with a channel of its own (``comm.transfer``)
 
     @property
     def name(self) -> str:
@@ -69,12 +74,16 @@ class LoweredPlan:
     written: set  # storages (base Local ids) some op writes in place
     returned: set  # Local ids the caller gets back: outputs and the state left behind
     peak_bytes: dict = field(default_factory=dict)
+    in_flight: dict = field(default_factory=dict)  # a pipelined step's: device -> micro-batches held at once
 
     def __str__(self) -> str:
         return describe(self)
 
 
-def lower(g: Graph, backend: str | None = None) -> LoweredPlan:
+def lower(g: Graph, backend: str | None = None, pipelined: bool = False) -> LoweredPlan:
+    """``pipelined``: a pipelined step's body, whose transfers across processes each get a channel
+    and a thread of their own (activations and gradients cross in both directions at once; on one
+    shared thread a receive waiting for the peer could block the send the peer waits for)."""
     w = world()
     local_devices = set(w.local_devices)
     tasks: list[Task] = []
@@ -101,28 +110,35 @@ def lower(g: Graph, backend: str | None = None) -> LoweredPlan:
     readers: dict = {}  # base -> set of task ids since the last write
     base = {lid: loc.base for lid, loc in g.locals.items()}
     last_comm = None
+    comms = 0  # collectives so far
     consumed: set = set()  # host segments some device segment depends on
     for op in g.ops:
         if op.kind == "comm":
-            for d in op.devices:
-                cur.pop(d, None)
+            for k in [k for k in cur if k[0] in op.devices]:
+                del cur[k]
             t = new("comm", None)
             if w.processes > 1 and last_comm is not None:  # collectives in the same order on every process
                 t.deps.add((last_comm, 0))
             last_comm = t.id
+            if pipelined and w.processes > 1 and op.fn.p2p:
+                t.channel = comms  # the same on every process: every process keeps every transfer
+            comms += 1
         else:
-            key = "host" if op.kind == "host" else op.device
-            if key != "host" and key not in local_devices:
+            # a segment is one device's (or the host's) ops of one phase and stage of a pipelined step
+            key = ("host",) if op.kind == "host" else (op.device, op.phase, op.stage)
+            if key[0] != "host" and key[0] not in local_devices:
                 continue
             t = cur.get(key)
-            if t is None or (key == "host" and t.id in consumed):
+            if t is None or (op.kind == "host" and t.id in consumed):
                 # host work devices already wait for ends its segment: later host work runs alongside them
-                t = cur[key] = new("host" if key == "host" else "compute", None if key == "host" else key)
+                t = cur[key] = new("host" if op.kind == "host" else "compute", None if op.kind == "host" else key[0])
         deps = _deps(op, base, writer, readers, producer)
         if op.kind != "host":
             consumed |= {d for d in deps if tasks[d].kind == "host"}
         if any(d > t.id for d in deps) and t.kind != "comm":  # keep the task graph acyclic: start a new segment
-            t = cur[t.device if t.kind == "compute" else "host"] = new(t.kind, t.device)
+            t = cur[key] = new(t.kind, t.device)
+        if not t.ops:
+            t.phase, t.stage = op.phase, op.stage
         deps.discard(t.id)
         t.deps |= {(d, 0) for d in deps}
         t.ops.append(op)
@@ -241,7 +257,7 @@ def _thread_of(t: Task, w) -> Thread:
         return Thread("dev", t.device)
     if t.kind == "comm":
         mine = [d for d in t.ops[0].devices if w.owns(d)]
-        return Thread("comm", min(mine) if mine else None)
+        return Thread("comm", min(mine) if mine else None, t.channel)
     return Thread("host")
 
 
@@ -273,10 +289,11 @@ def _comm_runner(t: Task, g: Graph):
     out_ids = [None if r is None else r.id for r in op.outs]
     order = [out_ids.index(lid) for lid in t.exports]
     fn, p2p, share = op.fn.run, op.fn.p2p, op.share_out  # the collective's eager function: run, not traced
+    channel = {} if t.channel is None else {"channel": t.channel}
 
     def run(ins):
         xs = [None if i is None else ins[i] for i in idx]
-        res = [fn(devs[0], devs[1], xs[0], *rest)] if p2p else fn(devs, xs, *rest)
+        res = [fn(devs[0], devs[1], xs[0], *rest, **channel)] if p2p else fn(devs, xs, *rest)
         if not share:
             seen = {id(x) for x in xs if x is not None}
             res = list(res)

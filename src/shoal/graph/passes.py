@@ -30,8 +30,17 @@ def _random(op: Op) -> bool:
     return _SEEDED in tags
 
 
+def _shared(op: Op, w) -> bool:
+    """A collective or transfer another process takes part in: what it does for that process (a
+    send to it) is not visible here, and every process must run the same ones."""
+    return op.kind == "comm" and not all(w.owns(d) for d in op.devices)
+
+
 def dead_code(g: Graph) -> int:
     """Drop ops whose results nothing reads and that write nothing that outlives them."""
+    from ..world import world
+
+    w = world()
     need, bases = _observed(g)
     keep = []
     for op in reversed(g.ops):
@@ -39,6 +48,7 @@ def dead_code(g: Graph) -> int:
             any(x in need for x in op.out_ids)
             or any(g.locals[x].base in bases for x in op.writes)
             or _random(op)  # the random stream must advance as in eager
+            or _shared(op, w)
         )
         if live:
             keep.append(op)

@@ -52,6 +52,7 @@ class Tracer(TorchDispatchMode, Execution):
         self._overwritten: dict[int, tuple] = {}  # constant Local -> (the tensor, its values before the trace wrote it)
         self.code_seen: dict = {}  # code object -> its globals: every Python function on the stack of an op
         self.outer = None  # the frame that runs the step: the walk up the stack stops there
+        self.phase = "F"  # what recorded ops are part of in a pipelined step (``Op.phase``)
 
     # -- Locals and Values ----------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -148,7 +149,7 @@ class Tracer(TorchDispatchMode, Execution):
         return last.id
 
     def _op(self, **kw) -> Op:
-        op = Op(node=self._current(), **kw)
+        op = Op(node=self._current(), phase=self.phase, **kw)
         self.g.ops.append(op)
         return op
 

@@ -2,7 +2,8 @@
 
 A ``Plan`` maps parameter/buffer name patterns (fnmatch, first match wins) to SBPs (one per mesh
 axis), and submodule names to the layouts their inputs and outputs are given. ZeRO is a layout of
-the optimizer state: ``shard_optimizer_state`` splits it over the data-parallel axis.
+the optimizer state: ``shard_optimizer_state`` splits it over the data-parallel axis. Pipeline
+stages (``Plan(stages=...)``) put submodules on the sub-meshes of a pipeline axis (``Stages``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from torch import nn
 from ..mesh import Mesh
 from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from ..tensor import GlobalTensor, onto_mesh_of, to_global
+from .balance import balance, describe, unit_costs
 from .reducer import GradReducer
 
-__all__ = ["Plan", "distribute_module", "shard_optimizer_state", "memory_per_device", "data_parallel"]
+__all__ = ["Plan", "Stages", "pipeline_stages", "balance", "distribute_module", "shard_optimizer_state",
+           "memory_per_device", "data_parallel"]
 
 Layout = SBP | Sequence[SBP]
 
@@ -28,11 +31,16 @@ Layout = SBP | Sequence[SBP]
 class Plan:
     """How a module is laid out. ``params``: name pattern -> layout (unmatched: Broadcast).
     ``inputs``/``outputs``: submodule name ("" is the module itself) -> layout of each tensor
-    argument / result (one layout for all, or a sequence matching the positional tensors)."""
+    argument / result (one layout for all, or a sequence matching the positional tensors).
+    ``stages``: pipeline stages, submodule name pattern -> stage index (or "auto": contiguous
+    stages balanced by parameter count); stage ``i`` lives on the sub-mesh ``stage_axis = i % p``
+    and the ``params`` layouts then name the other axes."""
 
     params: Mapping[str, Layout] = field(default_factory=dict)
     inputs: Mapping[str, Layout | Sequence[Layout]] = field(default_factory=dict)
     outputs: Mapping[str, Layout | Sequence[Layout]] = field(default_factory=dict)
+    stages: Mapping[str, int] | str | None = None
+    stage_axis: str = "pp"
 
 
 def distribute_module(
@@ -51,19 +59,25 @@ def distribute_module(
         plan = Plan()
     elif not isinstance(plan, Plan):
         plan = Plan(params=dict(plan))
-    rep = (Broadcast(),) * mesh.ndim
+    staged = pipeline_stages(module, mesh, plan) if plan.stages is not None else None
     used = set()
     done: dict = {}  # id of a tensor laid out already -> (its GlobalTensor, sbp, name): tied ones stay tied
     for mod_name, mod in module.named_modules():
+        where = mesh if staged is None else staged.mesh_of(mod_name)
+        rep = (Broadcast(),) * where.ndim
         for pname, p in list(mod.named_parameters(recurse=False)):
             full = f"{mod_name}.{pname}" if mod_name else pname
-            param = _laid_out(p, full, plan, used, mesh, rep, done, _param)
+            param = _laid_out(p, full, plan, used, where, rep, done, _param)
             setattr(mod, pname, param)
+            if staged is not None:
+                staged.own(param, mod_name, full)
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is None:
                 continue
             full = f"{mod_name}.{bname}" if mod_name else bname
-            mod._buffers[bname] = _laid_out(b, full, plan, used, mesh, rep, done, lambda g, b: g)
+            mod._buffers[bname] = _laid_out(b, full, plan, used, where, rep, done, lambda g, b: g)
+    if staged is not None:
+        staged.install(module)
     if reduce_gradients:
         module._shoal_reducer = GradReducer([p for p in module.parameters() if isinstance(p, GlobalTensor)])
     unused = [p for p in plan.params if p not in used]
@@ -78,6 +92,114 @@ def distribute_module(
     for name, layout in plan.outputs.items():
         _sub(modules, name, "outputs").register_forward_hook(_output_hook(mesh, layout, f"outputs of {name!r}"))
     return module
+
+
+class Stages:
+    """A module cut into pipeline stages: stage ``i`` of ``count`` on the sub-mesh ``axis = i % p``
+    of ``mesh`` (``v = count / p`` virtual stages per device). ``of``: submodule name -> stage."""
+
+    def __init__(self, mesh: Mesh, axis: str, of: dict[str, int]) -> None:
+        self.mesh, self.axis, self.of = mesh, axis, of
+        self.p = mesh.axis_size(axis)
+        self.count = max(of.values()) + 1
+        if self.count < self.p or self.count % self.p:
+            raise ValueError(
+                f"Plan.stages: {self.count} stage(s) on a {axis!r} axis of {self.p} devices; give a multiple of "
+                f"{self.p} stages (stage i runs on {axis}=i % {self.p}; more than {self.p} are virtual stages)")
+        self.v = self.count // self.p
+        self.meshes = [_stage_mesh(mesh, axis, i) for i in range(self.p)]
+        self._owner: dict[int, str] = {}  # id(parameter) -> the first name it was laid out under
+
+    def mesh_of(self, module_name: str) -> Mesh:
+        return self.meshes[self.of[module_name] % self.p]
+
+    def own(self, param, module_name: str, name: str) -> None:
+        """Record ``param``'s stage (``param._shoal_stage``); a parameter tied across stages is refused."""
+        stage = self.of[module_name]
+        first = self._owner.setdefault(id(param), name)
+        if getattr(param, "_shoal_stage", stage) != stage:
+            raise ValueError(f"Plan.stages: {name!r} is the same parameter as {first!r} (tied) but on stage {stage}, "
+                             f"not {param._shoal_stage}; put both modules on one stage")
+        param._shoal_stage = stage
+
+    def install(self, module: nn.Module) -> None:
+        """Each submodule that starts a stage moves its GlobalTensor inputs onto its stage's sub-mesh
+        (the module itself does not: what it computes outside its submodules runs where its inputs
+        are, the whole mesh's moving onto a stage's as dispatch meets them)."""
+        mods = dict(module.named_modules())
+        for name, stage in self.of.items():
+            if name and (self.of.get(name.rpartition(".")[0]) != stage or "." not in name):
+                mods[name].register_forward_pre_hook(_onto_stage(self.meshes[stage % self.p], self.axis),
+                                                     with_kwargs=True)
+        module._shoal_stages = self
+
+    def __repr__(self) -> str:
+        firsts = {}
+        for name, stage in self.of.items():
+            firsts.setdefault(stage, name or "(root)")
+        return (f"Stages({self.count} on {self.axis}={self.p}, v={self.v}: "
+                + ", ".join(f"{s}: {n}.." for s, n in sorted(firsts.items())) + ")")
+
+
+def _stage_mesh(mesh: Mesh, axis: str, i: int) -> Mesh:
+    if mesh.ndim == 1:
+        return Mesh([mesh.devices[i]], axes=(axis,))
+    return mesh.submesh(**{axis: i})
+
+
+def pipeline_stages(module: nn.Module, mesh: Mesh, plan: Plan) -> Stages:
+    """Every submodule's stage: the first ``plan.stages`` pattern its name matches, else the stage
+    of the module before it (pre-order: a child without a pattern stays with its parent); the
+    module itself is stage 0 unless named. ``stages="auto"``: contiguous stages over the module's
+    children (a ModuleList's items) balanced by parameter count (``shoal.parallel.balance``)."""
+    axis = plan.stage_axis
+    if axis not in mesh.axes:
+        raise ValueError(f"Plan.stages: the mesh has no axis {axis!r} (its axes are {mesh.axes}); name the "
+                         f"pipeline axis with Plan(stage_axis=...)")
+    patterns = plan.stages
+    if patterns == "auto":
+        costs = unit_costs(module, cost="params")
+        patterns = balance(module, mesh.axis_size(axis), cost="params")
+        print(f"shoal: stages='auto' cut {type(module).__name__} into {mesh.axis_size(axis)} stages by "
+              f"parameter count:\n{describe(patterns, costs)}")
+    elif not isinstance(patterns, Mapping):
+        raise ValueError(f"Plan.stages: give a mapping of module name patterns to stage numbers, or 'auto'; got "
+                         f"{patterns!r}")
+    of: dict[str, int] = {}
+    used: set = set()
+    prev = 0
+    for name, _ in module.named_modules():
+        stage = _pick(name, patterns, used, None)
+        if stage is None:
+            stage = prev if name else 0
+        of[name] = prev = stage
+    unused = [p for p in patterns if p not in used]
+    if unused:
+        raise ValueError(f"Plan.stages: pattern(s) {unused} match no submodule of {type(module).__name__}; "
+                         f"names look like {[n for n, _ in module.named_modules()][1:6]}")
+    return Stages(mesh, axis, of)
+
+
+def _onto_stage(sub: Mesh, axis: str):
+    """A forward pre-hook moving GlobalTensor arguments onto the stage's sub-mesh ``sub``: from the
+    whole mesh by dropping the pipeline axis's layout (Broadcast there: no data moves), from another
+    stage's sub-mesh position by position (the stage boundary's send and receive)."""
+
+    def move(t):
+        if not isinstance(t, GlobalTensor) or t.mesh == sub:
+            return t
+        src = t.mesh
+        if axis in src.axes and src.ndim == sub.ndim + 1:
+            a = src.axis_index(axis)
+            return t.to_global(sub, t.sbp[:a] + t.sbp[a + 1:])
+        if src.shape == sub.shape:
+            return t.to_global(sub, t.sbp)
+        return t.to_global(sub, (Broadcast(),) * sub.ndim)
+
+    def hook(mod, args, kwargs):
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+    return hook
 
 
 def _keep_grad_global(p: GlobalTensor) -> None:

@@ -30,9 +30,12 @@ class GradReducer:
         self._open: dict = {}  # (mesh, sbp, dtype, axes) -> [parameters, bytes]
         self._started: list = []  # functions finishing started buckets
         self._queued = False
+        self.paused = False  # a pipelined step's body: its gradient accumulators are reduced once, after
         self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params if p.requires_grad]
 
     def _hook(self, p: torch.nn.Parameter) -> None:
+        if self.paused:
+            return
         g = p.grad
         if not isinstance(g, GlobalTensor) or not isinstance(p, GlobalTensor):
             return

@@ -13,6 +13,7 @@ import's source (``FromTask``, ``Carried``, ``Bound``), ``Dep``, ``Firing`` (a t
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import queue
@@ -26,7 +27,7 @@ import torch
 from ..graph.lower import LoweredPlan, Task
 from ..world import world
 
-__all__ = ["Actor", "Runtime", "Firing", "Register", "FromTask", "Carried", "Bound", "Dep"]
+__all__ = ["Actor", "Runtime", "Firing", "Order", "Register", "FromTask", "Carried", "Bound", "Dep", "bubble"]
 
 _SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many small ops starve the others
 
@@ -34,10 +35,20 @@ _SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many sm
 @dataclass(slots=True)
 class Firing:
     task: str
-    piece: int
+    piece: int  # the micro-batch
     thread: str
     start: float
     end: float
+    phase: str = ""  # "F", "B", "W" (a pipelined step's), "opt" (its tail), "comm", "host"
+    stage: int | None = None  # a pipelined step's model stage
+
+
+@dataclass(eq=False, slots=True)
+class Order:
+    """The (actor, piece) firings one device makes, in this order (a pipeline schedule's)."""
+
+    items: list
+    pos: int = 0
 
 
 @dataclass(slots=True)
@@ -97,16 +108,28 @@ class Actor:
     freed: int = 0  # registers returned, in piece order
     regs: dict = field(default_factory=dict)  # piece -> Register
     busy: bool = False
+    order: Order | None = None  # the device order this actor's firings follow, if any
+    phase: str = ""  # as the timeline shows it
 
 
 class Runtime:
-    def __init__(self, plan: LoweredPlan, registers: int = 2, timeout: float | None = None) -> None:
+    def __init__(self, plan: LoweredPlan, registers: int = 2, timeout: float | None = None,
+                 orders: dict | None = None) -> None:
+        """``orders``: device -> [(task id, piece)], the order that device's tasks fire in (a pipeline
+        schedule's; tasks in no order fire as soon as they can)."""
         self.plan = plan
         self.registers = max(1, registers)
         self.timeout = timeout or float(os.environ.get("SHOAL_TIMEOUT", "600"))
         self.timeline: list[Firing] = []
         self._lock = threading.Lock()
-        self._actors = [Actor(t, t.thread.name) for t in plan.tasks]
+        self._actors = [Actor(t, t.thread.name, phase="comm" if t.kind == "comm" else t.phase if t.kind == "compute"
+                              else "host") for t in plan.tasks]
+        self._orders = []
+        for items in (orders or {}).values():
+            o = Order([(self._actors[tid], k) for tid, k in items])
+            self._orders.append(o)
+            for a, _ in o.items:
+                a.order = o
         # The caller runs the host work and its first device's compute while it waits: a process
         # with one device computes on one thread, with no hand-offs (a second thread with its own
         # OpenMP team makes libgomp stop spinning between parallel regions, and every kernel then
@@ -124,6 +147,7 @@ class Runtime:
         for a in self._actors:
             th = a.task.thread
             a.inbox = inbox[th] if th.kind == "dev" else self._mine if th.kind == "host" else _queue(th.name, False)
+        self._sim = None  # simulating: thread name -> firings ready to start
         self._run_id = 0  # firings queued for an earlier (failed) run are dropped
         self._running = 0  # firings being run now
         self._error = None
@@ -197,11 +221,7 @@ class Runtime:
 
     def _run_all(self) -> None:
         with self._lock:
-            for a in self._actors:
-                a.next = a.done = a.freed = 0
-                a.regs = {}
-                a.busy = False
-            self._left = len(self._actors) * self._pieces
+            self._reset()
             for a in self._actors:
                 self._try(a)
         last, since = self._left, time.monotonic()
@@ -217,6 +237,17 @@ class Runtime:
             elif time.monotonic() - since > self.timeout:
                 with self._lock:
                     self._error = TimeoutError(self._stuck())
+
+    def _reset(self) -> None:
+        for a in self._actors:
+            a.next = a.done = a.freed = 0
+            a.regs = {}
+            a.busy = False
+        for o in self._orders:
+            o.pos = 0
+            if len(o.items) != len(set((id(a), k) for a, k in o.items)) or any(k >= self._pieces for _, k in o.items):
+                raise ValueError("shoal runtime: a device order names a firing twice or a piece not run")
+        self._left = len(self._actors) * self._pieces
 
     def _stuck(self) -> str:
         lines = [f"shoal runtime: no progress in {self.timeout:.0f} s; actors not finished:"]
@@ -234,13 +265,19 @@ class Runtime:
             j = k - d.offset
             if j >= 0 and d.actor.done <= j:
                 return False
+        o = a.order
+        if o is not None and (o.pos >= len(o.items) or o.items[o.pos][0] is not a or o.items[o.pos][1] != k):
+            return False  # not this device's next firing
         # a free register: not every one holds a piece someone still reads
         return not ((a.reads_same or a.reads_next) and k - self.registers >= a.freed)
 
     def _try(self, a: Actor) -> None:
         if self._ready(a):
             a.busy = True
-            a.inbox.put((self, self._run_id, a, a.next))
+            if self._sim is not None:
+                self._sim.setdefault(a.thread, []).append((a, a.next))
+            else:
+                a.inbox.put((self, self._run_id, a, a.next))
 
     def _inputs(self, a: Actor, k: int) -> list:
         out = []
@@ -293,15 +330,16 @@ class Runtime:
         with self._lock:
             if run_id != self._run_id:
                 return  # its run gave up waiting for it (a timeout) and another one started
-            self.timeline.append(Firing(a.task.name, k, a.thread, t0 - self._t0, t1 - self._t0))
+            self.timeline.append(Firing(a.task.name, k, a.thread, t0 - self._t0, t1 - self._t0, a.phase, a.task.stage))
             self._finish(a, k, outs)
 
     def _finish(self, a: Actor, k: int, outs) -> None:
         a.busy = False
         a.next = k + 1
         a.done = k + 1
-        for i, lid in a.outputs:
-            self._results[k][lid] = outs[i]
+        if outs is not None:
+            for i, lid in a.outputs:
+                self._results[k][lid] = outs[i]
         readers = a.reads_same + (a.reads_next if k + 1 < self._pieces else 0)
         a.regs[k] = Register(outs, readers)
         if not readers:
@@ -317,6 +355,11 @@ class Runtime:
         self._try(a)
         for d in a.dependents:
             self._try(d)
+        o = a.order
+        if o is not None:
+            o.pos += 1
+            if o.pos < len(o.items):
+                self._try(o.items[o.pos][0])
 
     def _release(self, p: Actor, k: int) -> None:
         reg = p.regs.get(k)
@@ -335,6 +378,44 @@ class Runtime:
                 return
             p.regs.pop(p.freed, None)
             p.freed += 1
+
+    # -- the virtual clock ----------------------------------------------------------------------
+    def simulate(self, durations, pieces: int = 1) -> list[Firing]:
+        """Replay the plan with the same actor rules (dependencies, registers, device orders) on a
+        virtual clock, each device and communication thread its own, each firing lasting
+        ``durations(task)`` seconds (a callable of the ``Task``, or a dict phase -> seconds with 0 for
+        phases it does not name); nothing is computed. Returns the timeline."""
+        if isinstance(durations, dict):
+            table = durations
+
+            def durations(t):
+                return table.get("comm" if t.kind == "comm" else t.phase if t.kind == "compute" else "host", 0.0)
+
+        with self._lock:
+            self._pieces, self._sim, self._results = pieces, {}, None
+            try:
+                self._reset()
+                for a in self._actors:
+                    self._try(a)
+                now, free, events, timeline, n = 0.0, {}, [], [], 0
+                while True:
+                    for th, ready in self._sim.items():  # start what is ready on every idle thread
+                        if ready and free.get(th, 0.0) <= now and th not in {e[3].thread for e in events}:
+                            a, k = ready.pop(0)
+                            end = now + float(durations(a.task))
+                            heapq.heappush(events, (end, n, now, a, k))
+                            n += 1
+                    if not events:
+                        break
+                    end, _, start, a, k = heapq.heappop(events)
+                    now = free[a.thread] = end
+                    timeline.append(Firing(a.task.name, k, a.thread, start, end, a.phase, a.task.stage))
+                    self._finish(a, k, None)
+                if self._left:
+                    raise RuntimeError("shoal runtime: the simulated run stalled:\n" + self._stuck())
+                return timeline
+            finally:
+                self._sim = None
 
     # -- timeline -------------------------------------------------------------------------------
     def chrome_trace(self, path: str) -> None:
@@ -393,3 +474,16 @@ def _serve(q: queue.SimpleQueue, threads: int, ready: threading.Event) -> None:
         rt, run_id, a, k = q.get()
         rt._fire(run_id, a, k)
         del rt, a  # hold no runtime between firings
+
+
+def bubble(timeline: list[Firing]) -> dict[str, float]:
+    """Per compute thread of a timeline: its idle fraction ``1 - busy / makespan`` over the
+    forward and backward work (phases F, B, W), the makespan being theirs (first start to last end)."""
+    work = [f for f in timeline if f.phase in ("F", "B", "W")]
+    if not work:
+        return {}
+    span = max(f.end for f in work) - min(f.start for f in work)
+    busy: dict[str, float] = {}
+    for f in work:
+        busy[f.thread] = busy.get(f.thread, 0.0) + f.end - f.start
+    return {th: 1.0 - b / span for th, b in sorted(busy.items())}

@@ -1,0 +1,320 @@
+"""Pipeline-parallel training (``Plan(stages=...)``, ``shoal.compile(micro_batches=M, schedule=...)``).
+
+The oracle is plain torch on one device: the same model and AdamW trained for 3 steps on the whole
+batch. A pipelined step cuts the batch into micro-batches, runs forward and backward per micro-batch
+in its schedule's order per stage, and steps the optimizer once: it must equal that step.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import shoal
+from shoal.runtime import bubble
+from shoal.runtime.schedules import peak_in_flight
+from shoal.runtime.schedules import schedule as orders_of
+from shoal.testing import assert_same_value
+
+B, S = shoal.B, shoal.S
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, h):
+        return self.norm(h + torch.tanh(self.fc(h)))
+
+
+class Net(nn.Module):
+    """An embedding-free stack: stem, blocks, head, and the loss computed outside any submodule
+    (its target comes from the whole mesh)."""
+
+    def __init__(self, blocks: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x, y):
+        h = self.stem(x)
+        for b in self.blocks:
+            h = b(h)
+        return nn.functional.mse_loss(self.head(h), y)
+
+
+def step_fn(model, opt, x, y):
+    """The step as users write it: zero, forward, backward, update."""
+    opt.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def even_stages(n_stages: int, blocks: int = 4) -> dict:
+    per = blocks // n_stages
+    out = {"stem": 0, "head": n_stages - 1}
+    out.update({f"blocks.{i}": i // per for i in range(blocks)})
+    return out
+
+
+def train(mesh, stages, schedule: str, m: int, steps: int = 3, batch: int = 16, plan_params=None, blocks: int = 4,
+          closure: bool = False):
+    """(losses, final parameters) of shoal's pipelined step and of plain torch on one device."""
+    torch.manual_seed(0)
+    ref = Net(blocks)
+    model = copy.deepcopy(ref)
+    shoal.distribute_module(model, mesh, shoal.Plan(params=plan_params or {}, stages=stages))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    if closure:
+        @shoal.compile(micro_batches=m, schedule=schedule)
+        def step(x, y):
+            opt.zero_grad()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            return loss
+    else:
+        step = shoal.compile(step_fn, micro_batches=m, schedule=schedule)
+
+    batch_layout = tuple(S(0) if a == "dp" else B for a in mesh.axes)
+    got, want = [], []
+    for _ in range(steps):
+        x, y = torch.randn(batch, 8), torch.randn(batch, 4)
+        gx, gy = shoal.to_global(x, mesh, batch_layout), shoal.to_global(y, mesh, batch_layout)
+        got.append(step(gx, gy) if closure else step(model, opt, gx, gy))
+        ref_opt.zero_grad()
+        loss = ref(x, y)
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.detach())
+    return got, want, model, ref, step
+
+
+def assert_trained_alike(got, want, model, ref):
+    """Losses, parameters and the last step's gradients (AdamW alone would not notice gradients
+    scaled by a constant) equal plain torch's."""
+    for g, w in zip(got, want):
+        assert_same_value(g, w, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same_value(p.detach(), q.detach(), rtol=1e-5, atol=1e-5)
+        assert_same_value(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+PP_DP = ([[0, 1], [2, 3]], ("pp", "dp"))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "interleaved"])
+def test_each_schedule_on_pp2_dp2_equals_one_device(schedule):
+    mesh = shoal.Mesh(*PP_DP)
+    stages = even_stages(4 if schedule == "interleaved" else 2)
+    got, want, model, ref, step = train(mesh, stages, schedule, m=4)
+    assert_trained_alike(got, want, model, ref)
+    assert step.traces <= 3, "the body compiles once; the tail once more when the optimizer state exists"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_four_stages_equal_one_device(schedule):
+    mesh = shoal.Mesh([0, 1, 2, 3], axes=("pp",))
+    got, want, model, ref, step = train(mesh, even_stages(4), schedule, m=8, batch=16)
+    assert_trained_alike(got, want, model, ref)
+
+
+def test_fewer_micro_batches_than_stages_runs():
+    mesh = shoal.Mesh([0, 1, 2, 3], axes=("pp",))
+    got, want, model, ref, _ = train(mesh, even_stages(4), "1f1b", m=2, batch=8, steps=2)
+    assert_trained_alike(got, want, model, ref)
+
+
+def test_closure_style_step():
+    mesh = shoal.Mesh(*PP_DP)
+    got, want, model, ref, _ = train(mesh, even_stages(2), "1f1b", m=4, closure=True)
+    assert_trained_alike(got, want, model, ref)
+
+
+def test_auto_stages():
+    mesh = shoal.Mesh(*PP_DP)
+    got, want, model, ref, _ = train(mesh, "auto", "1f1b", m=2, steps=2)
+    assert_trained_alike(got, want, model, ref)
+    stages = model._shoal_stages
+    assert {stages.of["stem"], stages.of["head"]} == {0, 1}
+
+
+def test_parameters_live_on_their_stage():
+    mesh = shoal.Mesh(*PP_DP)
+    model = shoal.distribute_module(Net(), mesh, shoal.Plan(stages=even_stages(2)))
+    assert model.stem.weight.mesh == mesh.submesh(pp=0)
+    assert model.blocks[3].fc.weight.mesh == mesh.submesh(pp=1)
+    assert model.head.weight.mesh == mesh.submesh(pp=1)
+
+
+# -- the order each stage follows -----------------------------------------------------------------
+
+
+def fired(step, device: int):
+    return [f for f in sorted(step.timeline, key=lambda f: f.start) if f.thread == f"dev{device}"
+            and f.phase in ("F", "B", "W")]
+
+
+def test_gpipe_runs_every_forward_before_a_backward():
+    mesh = shoal.Mesh([0, 1, 2, 3], axes=("pp",))
+    *_, step = train(mesh, even_stages(4), "gpipe", m=4, steps=1)
+    for d in range(4):
+        phases = [f.phase for f in fired(step, d)]
+        assert phases == sorted(phases, key=lambda ph: ph != "F"), (d, phases)
+        assert phases.count("F") == 4
+
+
+def test_1f1b_holds_at_most_p_minus_s_micro_batches():
+    mesh = shoal.Mesh([0, 1, 2, 3], axes=("pp",))
+    *_, step = train(mesh, even_stages(4), "1f1b", m=8, steps=1)
+    for s in range(4):
+        live, peak = set(), 0
+        for f in fired(step, s):
+            if f.phase == "F":
+                live.add(f.piece)
+            else:
+                live.discard(f.piece)
+            peak = max(peak, len(live))
+        assert peak == 4 - s, (s, peak)
+    assert step.plan.in_flight == {d: 4 - d for d in range(4)}
+
+
+def test_zb_defers_weight_gradients_past_later_backwards():
+    mesh = shoal.Mesh([0, 1, 2, 3], axes=("pp",))
+    *_, step = train(mesh, even_stages(4), "zb", m=8, steps=1)
+    late = 0
+    for d in range(1, 4):
+        seq = fired(step, d)
+        assert {f.phase for f in seq} == {"F", "B", "W"}
+        for i, f in enumerate(seq):
+            if f.phase == "W":
+                late += any(g.phase == "B" and g.piece > f.piece for g in seq[:i])
+    assert late > 0
+
+
+def test_memory_plan_follows_the_schedule():
+    mesh = shoal.Mesh([0, 1, 2, 3], axes=("pp",))
+    *_, gp = train(mesh, even_stages(4), "gpipe", m=8, steps=1)
+    *_, ob = train(mesh, even_stages(4), "1f1b", m=8, steps=1)
+    assert gp.plan.in_flight == {d: 8 for d in range(4)}
+    assert ob.plan.in_flight == {d: 4 - d for d in range(4)}
+    assert all(gp.plan.peak_bytes[d] > ob.plan.peak_bytes[d] for d in range(4))
+
+
+# -- the virtual clock ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule,m", [("gpipe", 4), ("1f1b", 8), ("interleaved", 8)])
+def test_virtual_clock_bubble_matches_theory(schedule, m):
+    p = 2 if schedule == "interleaved" else 4
+    v = 2 if schedule == "interleaved" else 1
+    mesh = shoal.Mesh(list(range(p)), axes=("pp",))
+    got, want, model, ref, step = train(mesh, even_stages(p * v), schedule, m=m, steps=1)
+    assert_trained_alike(got, want, model, ref)
+
+    def one_per_item(task):  # each (phase, micro-batch, stage) of a device lasts 1, however many tasks it is
+        if task.kind != "compute":
+            return 0.0
+        same = [t for t in step.plan.tasks if t.kind == "compute" and t.device == task.device
+                and t.phase == task.phase and t.stage == task.stage]
+        return 1.0 / len(same)
+
+    timeline = step.simulate(one_per_item)
+    want = (p - 1) / (v * m + p - 1)
+    for th, idle in bubble(timeline).items():
+        assert idle == pytest.approx(want, abs=0.01), (th, idle, want)
+    assert max(peak_in_flight(o) for o in orders_of(schedule, p, m, v)) == max(step.plan.in_flight.values())
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_micro_batches_must_cut_every_shard_evenly():
+    mesh = shoal.Mesh(*PP_DP)
+    with pytest.raises(ValueError, match="micro_batches=3"):
+        train(mesh, even_stages(2), "1f1b", m=3, steps=1)
+
+
+def test_stage_count_must_fill_the_axis():
+    mesh = shoal.Mesh(*PP_DP)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        shoal.distribute_module(Net(), mesh, shoal.Plan(stages={"stem": 0, "blocks.*": 1, "head": 2}))
+
+
+def test_interleaved_needs_virtual_stages():
+    mesh = shoal.Mesh(*PP_DP)
+    with pytest.raises(ValueError, match="virtual stages"):
+        train(mesh, even_stages(2), "interleaved", m=4, steps=1)
+
+
+@pytest.fixture
+def eight_devices():
+    shoal.init(devices=8)
+    yield
+    shoal.init(devices=4)
+
+
+def test_3d_pipeline_data_tensor_parallel_with_zero_1(eight_devices):
+    """1F1B on (pp=2, dp=2, tp=2): the blocks' linear layers split over tp (column-parallel), the
+    batch over dp, the optimizer state over dp (ZeRO-1)."""
+    mesh = shoal.Mesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], axes=("pp", "dp", "tp"))
+    col = {"blocks.*.fc.weight": (B, S(0)), "blocks.*.fc.bias": (B, S(0))}
+    torch.manual_seed(0)
+    ref = Net(4)
+    model = shoal.distribute_module(copy.deepcopy(ref), mesh, shoal.Plan(params=col, stages=even_stages(2)))
+    assert model.blocks[0].fc.weight.sbp == (B, S(0)) and model.blocks[3].fc.weight.mesh.axes == ("dp", "tp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for sub in {p.mesh for p in model.parameters()}:
+        shoal.shard_optimizer_state(opt, sub, "dp")
+
+    step = shoal.compile(step_fn, micro_batches=2, schedule="1f1b")
+    got, want = [], []
+    for _ in range(3):
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        lay = (B, S(0), B)
+        got.append(step(model, opt, shoal.to_global(x, mesh, lay), shoal.to_global(y, mesh, lay)))
+        ref_opt.zero_grad()
+        loss = ref(x, y)
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.detach())
+    assert_trained_alike(got, want, model, ref)
+    sharded = [v for st in opt.state.values() for v in st.values() if isinstance(v, shoal.GlobalTensor) and v.ndim]
+    assert sharded and all(S(0) in v.sbp or S(1) in v.sbp for v in sharded)
+
+
+def test_clipping_and_zero_grad_after_step_run_once_over_every_stage():
+    """SGD (which, unlike Adam, sees the gradients' scale), clipping by the norm over both stages,
+    zero_grad at the end: each once per call, on the accumulated gradients."""
+    mesh = shoal.Mesh(*PP_DP)
+    torch.manual_seed(0)
+    ref = Net(4)
+    model = shoal.distribute_module(copy.deepcopy(ref), mesh, shoal.Plan(stages=even_stages(2)))
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def body(model, opt, x, y):
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = shoal.compile(body, micro_batches=4, schedule="gpipe")
+    for _ in range(3):
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        lay = (B, S(0))
+        got = step(model, opt, shoal.to_global(x, mesh, lay), shoal.to_global(y, mesh, lay))
+        assert_same_value(got, body(ref, ref_opt, x, y), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_same_value(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        assert p.grad is None and q.grad is None
