@@ -42,7 +42,7 @@ for kind in meshes:
             ob.load_state_dict(saved["opt"])
         la, lb = step(a, oa, x, y).item(), compiled(b, ob, x, y).item()
         assert abs(la - lb) <= 1e-5 * abs(la), (kind, i, la, lb)
-    assert compiled.traces == 3, compiled.traces  # a new model and optimizer after the load
+    assert compiled.traces == 2, compiled.traces  # the first step eagerly; a new model and optimizer after the load
     comms = sum(op.kind == "comm" for op in compiled.graph.ops)
     assert comms > 0
     for (n, p), q in zip(a.named_parameters(), b.parameters()):

@@ -57,6 +57,7 @@ class CompiledStep:
         self._cache: dict = {}
         self._last = None
         self._pipes: dict = {}  # body graph id -> (Calls, params, tail function)
+        self._warm: set = set()  # functions whose first, state-creating call ran eagerly
         self.compile_seconds = 0.0  # the last trace and compile
         self.compile_seconds_total = 0.0  # every one so far
         self.traces = 0
@@ -162,6 +163,11 @@ class CompiledStep:
         fn = fn or self.fn
         args, kwargs = pieces[0]
         objs = leaves(args, kwargs, fn, pipe is None)
+        if fn not in self._warm and _creates_optimizer_state(objs):
+            # an optimizer's first step creates its state: run it eagerly, once, and trace the step
+            # the next call, with the state in place (one trace instead of one per state structure)
+            self._warm.add(fn)
+            return [fn(*args, **kwargs)], None
         key, places = guard_key(objs)
         entry = self._entry((tag, function_key(fn), key), args, kwargs, fn, pipe)
         self._last = entry
@@ -199,8 +205,8 @@ class CompiledStep:
         owners = [o for _, o in objs if isinstance(o, (torch.nn.Module, torch.optim.Optimizer))]
         tail = self._pipes.setdefault(("tail", id(calls)), pipeline.tail_fn(params, calls))
         _, tail_entry = self._run([((owners, accs), {})], tail, None, ("tail", key))
-        self._tail_timeline = [replace(f, phase="opt" if f.phase != "comm" else f.phase)
-                               for f in tail_entry[2].timeline]
+        self._tail_timeline = [] if tail_entry is None else [replace(f, phase="opt" if f.phase != "comm" else f.phase)
+                                                             for f in tail_entry[2].timeline]
         self._last = body
         return pipeline.combine(outs, self.loss)
 
@@ -217,6 +223,16 @@ class CompiledStep:
             for reducer, was in gate.items():
                 reducer.paused = was
         return outs, entry
+
+
+def _creates_optimizer_state(objs) -> bool:
+    """Whether an optimizer among ``objs`` has a trainable parameter without state yet."""
+    for _, o in objs:
+        if isinstance(o, torch.optim.Optimizer):
+            for grp in o.param_groups:
+                if any(p.requires_grad and not o.state.get(p) for p in grp["params"]):
+                    return True
+    return False
 
 
 def _reducers(objs) -> list:
