@@ -2,9 +2,11 @@ import pytest
 import torch
 
 import shoal
+import shoal.graph.passes
 
 shoal.init(devices=4)
 torch.set_num_threads(1)
+shoal.graph.passes.VERIFY_EACH_PASS = True  # a pass that breaks the graph is named
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ class Schema:
     returned_sets: tuple[tuple[str, ...], ...]  # per return: the alias sets of the written input it is
     view: bool  # returns views of its first argument (Tensor(a) self -> Tensor(a)), not composite
     mutable: bool
+    fresh: bool  # writes nothing and returns no alias of an input: its outputs are new tensors
 
 
 @functools.cache
@@ -45,6 +46,7 @@ def of(func) -> Schema:
                             else () for r in s.returns),
         view=view and not composite,
         mutable=s.is_mutable,
+        fresh=not s.is_mutable and not any(a.alias_info is not None for a in (*args, *s.returns)) and not composite,
     )
 
 

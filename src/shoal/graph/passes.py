@@ -231,12 +231,17 @@ PASSES = (("dead code", dead_code), ("aliases", elide_aliases), ("views", fold_v
           ("bucket collectives", bucket_collectives), ("dead code", dead_code))
 
 
+# Verify the graph after every pass (the test suite does; a run verifies the trace and the last
+# pass's result, which is a tenth of a second per pass saved on a 20,000-op graph).
+VERIFY_EACH_PASS = False
+
+
 def run_passes(g: Graph, check: bool = True) -> None:
     if check:
         verify(g, "trace")
-    for name, p in PASSES:
+    for i, (name, p) in enumerate(PASSES):
         n = p(g)
         if n:
             g.notes.append(f"{name}: {n}")
-        if check:
-            verify(g, name)
+        if check and (VERIFY_EACH_PASS or i == len(PASSES) - 1):
+            verify(g, name if VERIFY_EACH_PASS else "the passes")

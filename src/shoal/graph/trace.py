@@ -53,6 +53,7 @@ class Tracer(TorchDispatchMode, Execution):
         self.code_seen: dict = {}  # code object -> its globals: every Python function on the stack of an op
         self.outer = None  # the frame that runs the step: the walk up the stack stops there
         self.phase = "F"  # what recorded ops are part of in a pipelined step (``Op.phase``)
+        self._metas: dict = {}  # (op, its arguments' metadata) -> its outputs' metadata: see _meta_call
 
     # -- Locals and Values ----------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -162,10 +163,10 @@ class Tracer(TorchDispatchMode, Execution):
         while f is not None and f is not outer:  # the functions whose Python values this op's graph bakes in
             seen.setdefault(f.f_code, f.f_globals)
             f = f.f_back
-        flat, _ = tree_flatten((args, kwargs))
+        flat, spec = tree_flatten((args, kwargs))
         if any(type(a) is _GT for a in flat):
             return self._global(func, args, kwargs, flat)
-        return self._local(func, args, kwargs, flat)
+        return self._local(func, args, kwargs, flat, spec)
 
     def _global(self, func, args, kwargs, flat):
         if func in _DATA_DEPENDENT:
@@ -178,7 +179,7 @@ class Tracer(TorchDispatchMode, Execution):
         n.outputs = [self.value(o) for o in outs if type(o) is _GT]
         return out
 
-    def _local(self, func, args, kwargs, flat):
+    def _local(self, func, args, kwargs, flat, spec):
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         lids = [self.lid(t) for t in tensors]
         if any(lid is None for lid in lids):  # meta tensors made to decide layouts: not part of the step
@@ -192,7 +193,7 @@ class Tracer(TorchDispatchMode, Execution):
             for lid in _written(func, args, kwargs, self):
                 if lid in self.g.constants and lid not in self._overwritten:
                     self._overwritten[lid] = (self.g.constants[lid], self.g.constants[lid].clone())
-        out = func(*args, **kwargs)
+        out = self._meta_call(func, args, kwargs, flat, spec) if devices else func(*args, **kwargs)
         if devices:
             device = devices.pop()
             for lid in lids:
@@ -204,6 +205,30 @@ class Tracer(TorchDispatchMode, Execution):
         if meta_in or (not tensors and meta_out):  # device work whose device its first user decides
             return self._record(func, args, kwargs, out, "call", None, floating=True)
         return self._record(func, args, kwargs, out, "host", None)
+
+    def _meta_call(self, func, args, kwargs, flat, spec):
+        """``func`` on the meta shards of one device. Every device of a mesh runs the same op on shards
+        of the same shapes, and a meta kernel's outputs depend on nothing but its arguments' metadata:
+        an op that makes new tensors (no view, no write) is run once per distinct call and its outputs
+        are made again from their metadata for the other devices (ATen's meta kernels, many written in
+        Python, are most of a trace's time)."""
+        if not schema.of(func).fresh:
+            return func(*args, **kwargs)
+        try:
+            key = (func, tuple(_meta_key(a) for a in flat), spec)
+        except _Unkeyed:
+            return func(*args, **kwargs)
+        made = self._metas.get(key)
+        if made is None:
+            out = func(*args, **kwargs)
+            leaves, spec = tree_flatten(out)
+            made = self._metas[key] = _remake(leaves, spec)
+            return out
+        if made is False:
+            return func(*args, **kwargs)
+        leaves, spec = made
+        return spec.unflatten([torch.empty_strided(a[0], a[1], dtype=a[2], device="meta") if isinstance(a, tuple) else a
+                             for a in leaves])
 
     def _settle(self, lid: int, device) -> None:
         """Device work made without device inputs lives on the device of its first user."""
@@ -349,6 +374,45 @@ class Tracer(TorchDispatchMode, Execution):
         self._op(kind="place", fn=copy, args=(Ref(lid),), kwargs={}, outs=Ref(out), device=device, reads=(lid,),
                  out_ids=(out,))
         return m
+
+
+class _Unkeyed(Exception):
+    pass
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _meta_key(a):
+    """What a meta kernel's outputs can depend on, of one flat argument."""
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "meta" or type(a) is not torch.Tensor:
+            raise _Unkeyed
+        return (a.shape, a.stride(), a.dtype, a.storage_offset())
+    if type(a) in _PLAIN:
+        return (type(a), a)
+    raise _Unkeyed
+
+
+def _remake(leaves, spec):
+    """(per output: its (shape, stride, dtype) or the value itself, the tree) when each tensor output is
+    a storage of its own that ``empty_strided`` makes again exactly; else False (not cached)."""
+    remade, storages = [], set()
+    for o in leaves:
+        if not isinstance(o, torch.Tensor):
+            if type(o) not in _PLAIN:
+                return False
+            remade.append(o)
+            continue
+        if type(o) is not torch.Tensor or o.device.type != "meta" or o.storage_offset() != 0:
+            return False
+        size = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta").untyped_storage().nbytes()
+        st = o.untyped_storage()
+        if st._cdata in storages or st.nbytes() != size:
+            return False
+        storages.add(st._cdata)
+        remade.append((tuple(o.shape), o.stride(), o.dtype))
+    return remade, spec
 
 
 def _written(func, args, kwargs, tr: Tracer) -> list[int]:
