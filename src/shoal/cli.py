@@ -57,9 +57,10 @@ def parser() -> argparse.ArgumentParser:
         default=d.plan,
         choices=training.PLANS,
         metavar="PLAN",
-        help="dp: data parallel; tp: Megatron tensor parallel; dp,tp: both on a 2-D mesh; zero: dp with "
-        "the optimizer state split; pp,dp and pp,dp,tp: pipeline stages first (--mesh 2x2, 2x2x2; with "
-        "--micro-batches); none: plain torch on one device (default %(default)s)",
+        help="dp: data parallel; tp: Megatron tensor parallel; dp,tp: both on a 2-D mesh; zero, zero2, zero3: dp "
+        "with ZeRO-1 (optimizer state split over the devices), -2 (and gradients), -3 (and parameters); pp,dp "
+        "and pp,dp,tp: pipeline stages first (--mesh 2x2, 2x2x2; with --micro-batches); "
+        "none: plain torch on one device (default %(default)s)",
     )
     t.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
     t.add_argument("--batch", type=int, default=d.batch, help="global batch size (default %(default)s)")

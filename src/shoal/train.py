@@ -26,7 +26,7 @@ from .dispatch import coverage
 from .graph.api import compile as compile_step
 from .mesh import Mesh
 from .models import bert, gpt, kinds, resnet
-from .parallel import Plan, distribute_module, memory_per_device, shard_optimizer_state
+from .parallel import Plan, distribute_module, memory_per_device
 from .sbp import B
 from .tensor import GlobalTensor
 from .world import init, is_initialized, world
@@ -260,8 +260,6 @@ def train(cfg: TrainConfig) -> Result:
         distribute_module(model, mesh, plan)
     opt = make_optimizer(cfg, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
-    if cfg.plan == "zero":
-        shard_optimizer_state(opt, mesh, "dp")
     if cfg.verbose:
         _print_header(cfg, model, params, shape, plan)
 
@@ -371,8 +369,9 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
         for pat, sbp in plan.params.items():
             print(f"  param  {pat:<28} {_sbp(sbp)}")
         print(f"  input  {what:<28} {_sbp(plan.inputs[''])}")
-        if cfg.plan == "zero":
-            print("  optimizer state split over dp (ZeRO)")
+        if plan.zero:
+            split = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and parameters")
+            print(f"  ZeRO-{plan.zero}: {split[plan.zero - 1]} split over dp")
 
 
 def _sbp(layout) -> str:

@@ -73,4 +73,4 @@ def plans(mesh: Mesh, kind: str) -> Plan:
     if ax.tp is not None:
         col, row = ax.layout(tp=S(0)), ax.layout(tp=S(1))
         params = {**megatron_block("blocks.*", col, row), "tok_emb.weight": col, "decoder.*": col}
-    return Plan(params=params, inputs={"": ax.layout(dp=S(0))})
+    return Plan(params=params, inputs={"": ax.layout(dp=S(0))}, zero=kinds.ZERO.get(kind, 0))

@@ -1,7 +1,8 @@
 """Plan kinds shared by the bundled models: which mesh axes split the batch and which split weights.
 
-``dp`` (data parallel) and ``zero`` (dp with optimizer state split) and ``tp`` (Megatron tensor
-parallel) take a 1-D mesh; ``dp,tp`` takes a 2-D mesh, batch split on axis 0 and weights on axis 1.
+``dp`` (data parallel), ``zero`` (dp with the optimizer state split: ZeRO-1), ``zero2`` (and the
+gradients), ``zero3`` (and the parameters at rest) and ``tp`` (Megatron tensor parallel) take a 1-D
+mesh; ``dp,tp`` takes a 2-D mesh, batch split on axis 0 and weights on axis 1.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 from ..mesh import Mesh
 from ..sbp import SBP, B
 
-__all__ = ["KINDS", "Axes", "axes"]
+__all__ = ["KINDS", "ZERO", "Axes", "axes"]
 
-KINDS = ("dp", "tp", "dp,tp", "zero")
+KINDS = ("dp", "tp", "dp,tp", "zero", "zero2", "zero3")
+ZERO = {"zero": 1, "zero2": 2, "zero3": 3}  # plan kind -> ZeRO stage (``Plan.zero``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,4 +92,4 @@ def plans(mesh: Mesh, kind: str) -> Plan:
             "stages.*.bn1.running_var": out_ch,
             "stages.*.conv2.weight": in_ch,
         }
-    return Plan(params=params, inputs={"": ax.layout(dp=S(0))})
+    return Plan(params=params, inputs={"": ax.layout(dp=S(0))}, zero=kinds.ZERO.get(kind, 0))

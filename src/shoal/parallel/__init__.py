@@ -19,10 +19,11 @@ from ..mesh import Mesh
 from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .balance import balance, describe, unit_costs
+from .memory import install_zero, memory_per_device, memory_report, shard_optimizer_state, zero_layout
 from .reducer import GradReducer
 
 __all__ = ["Plan", "Stages", "pipeline_stages", "balance", "distribute_module", "shard_optimizer_state",
-           "memory_per_device", "data_parallel"]
+           "memory_per_device", "memory_report", "zero_layout", "data_parallel"]
 
 Layout = SBP | Sequence[SBP]
 
@@ -34,13 +35,19 @@ class Plan:
     argument / result (one layout for all, or a sequence matching the positional tensors).
     ``stages``: pipeline stages, submodule name pattern -> stage index (or "auto": contiguous
     stages balanced by parameter count); stage ``i`` lives on the sub-mesh ``stage_axis = i % p``
-    and the ``params`` layouts then name the other axes."""
+    and the ``params`` layouts then name the other axes. ``zero``: 0 none, 1 optimizer state split over
+    ``dp_axis`` (default: the mesh's "dp", else its first axis), 2 gradients too, 3 parameters at rest
+    too, gathered around the forward of each unit (each item of a ``ModuleList``, the modules named by
+    ``zero_unit`` patterns, the module itself for the rest)."""
 
     params: Mapping[str, Layout] = field(default_factory=dict)
     inputs: Mapping[str, Layout | Sequence[Layout]] = field(default_factory=dict)
     outputs: Mapping[str, Layout | Sequence[Layout]] = field(default_factory=dict)
     stages: Mapping[str, int] | str | None = None
     stage_axis: str = "pp"
+    zero: int = 0
+    dp_axis: str | None = None
+    zero_unit: Sequence[str] = ()
 
 
 def distribute_module(
@@ -78,6 +85,9 @@ def distribute_module(
             mod._buffers[bname] = _laid_out(b, full, plan, used, where, rep, done, lambda g, b: g)
     if staged is not None:
         staged.install(module)
+    if plan.dp_axis is not None and plan.dp_axis not in mesh.axes:
+        raise ValueError(f"Plan(dp_axis={plan.dp_axis!r}): the mesh has axes {mesh.axes}")
+    install_zero(module, plan.zero, plan.dp_axis, plan.zero_unit)
     if reduce_gradients:
         module._shoal_reducer = GradReducer([p for p in module.parameters() if isinstance(p, GlobalTensor)])
     unused = [p for p in plan.params if p not in used]
@@ -295,42 +305,6 @@ def data_parallel(mesh: Mesh, axis: str | int = 0) -> Plan:
     return Plan(inputs={"": batch})
 
 
-# -- ZeRO ------------------------------------------------------------------------------------
-
-
-def zero_layout(spec_sbp: tuple, shape: Sequence[int], mesh: Mesh, axis: int) -> tuple:
-    """``spec_sbp`` with the Broadcast (or Partial sum, e.g. a momentum buffer cloned from a gradient)
-    on ``axis`` turned into a split of the largest dim no other axis splits (unchanged when no dim is
-    large enough)."""
-    if not (isinstance(spec_sbp[axis], Broadcast) or spec_sbp[axis] == Partial("sum")):
-        return spec_sbp
-    taken = {s.dim for s in spec_sbp if isinstance(s, Split)}
-    n = mesh.shape[axis]
-    dims = [d for d in range(len(shape)) if d not in taken and shape[d] >= n]
-    if not dims:
-        return spec_sbp
-    d = max(dims, key=lambda i: shape[i])
-    return spec_sbp[:axis] + (Split(d),) + spec_sbp[axis + 1 :]
-
-
-def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: Mesh, axis: str | int = "dp"):
-    """ZeRO: keep every optimizer state tensor split over ``axis`` (where its parameter is Broadcast
-    there). The update then reduce-scatters gradients into the state and gathers the step into the
-    parameters; the result equals the unsharded optimizer. Returns the hook handle."""
-    a = mesh.axis_index(axis)
-
-    def shard_state(opt, *_):
-        for st in opt.state.values():
-            for k, v in list(st.items()):
-                if isinstance(v, GlobalTensor) and v.ndim > 0 and v.mesh == mesh:
-                    want = zero_layout(v.sbp, v.shape, mesh, a)
-                    if want != v.sbp:
-                        st[k] = v.to_global(mesh, want).detach()
-
-    shard_state(optimizer)
-    return optimizer.register_step_post_hook(shard_state)
-
-
 def onto_param_mesh(param, value):
     """A loaded optimizer state tensor for ``param``: ``Optimizer.load_state_dict`` casts each to its
     parameter's dtype and device (``value``); a GlobalTensor saved under another plan (another mesh)
@@ -339,40 +313,3 @@ def onto_param_mesh(param, value):
     if isinstance(param, GlobalTensor) and isinstance(value, GlobalTensor) and value.mesh != param.mesh:
         return onto_mesh_of(value, param)
     return value
-
-
-def memory_per_device(*groups) -> dict[int, int]:
-    """Bytes each device holds for the given tensors (parameters, gradients, optimizer states...).
-    Accepts modules (parameters and their grads and buffers), optimizers (state) and tensors."""
-    out: dict[int, int] = {}
-    seen: set[int] = set()
-
-    def add(t):
-        if not isinstance(t, GlobalTensor) or id(t) in seen:
-            return
-        seen.add(id(t))
-        spec = t.spec
-        item = t.element_size()
-        for pos, dev in enumerate(spec.mesh.devices):
-            n = 1
-            for s in spec.local_shape(pos):
-                n *= s
-            out[dev] = out.get(dev, 0) + n * item
-
-    for g in groups:
-        if isinstance(g, nn.Module):
-            for p in g.parameters():
-                add(p)
-                add(p.grad)
-            for b in g.buffers():
-                add(b)
-        elif isinstance(g, torch.optim.Optimizer):
-            for st in g.state.values():
-                for v in st.values():
-                    add(v)
-        elif isinstance(g, torch.Tensor):
-            add(g)
-        else:
-            for t in g:
-                add(t)
-    return out

@@ -17,6 +17,7 @@ import torch
 from .. import comm
 from ..sbp import Broadcast, Partial
 from ..tensor import GlobalTensor
+from .memory import split_gradient
 
 __all__ = ["GradReducer", "BUCKET_BYTES"]
 
@@ -44,6 +45,10 @@ class GradReducer:
             # a partial value over one device is the value: say so (nothing to copy or reduce)
             sbp = tuple(Broadcast() if isinstance(s, Partial) and n == 1 else s for s, n in zip(g.sbp, mesh.shape))
             g = p.grad = GlobalTensor._make(g.spec.with_sbp(sbp), g._shards, g.stride())
+        split = split_gradient(p, g)
+        if split is not None:  # ZeRO-2: kept as this device's shard of the reduced gradient
+            p.grad = split
+            return
         axes = _axes(p, g)
         if not axes:
             return
