@@ -1,6 +1,7 @@
 """ZeRO as layouts (``Plan(zero=1|2|3)``): training equals one device's, eager and compiled, and each
 device holds the bytes the ZeRO paper's formulas say (Rajbhandari et al. 2019, section 5)."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -105,3 +106,96 @@ def test_zero_errors():
         shoal.distribute_module(initial("gpt"), mesh, shoal.Plan(zero=4))
     with pytest.raises(ValueError, match=r"dp_axis='data'.*axes"):
         shoal.distribute_module(initial("gpt"), mesh, shoal.Plan(zero=1, dp_axis="data"))
+
+
+# -- the fit check ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def budget(nbytes):
+    shoal.init(devices=4, memory_per_device=nbytes)
+    try:
+        yield
+    finally:
+        shoal.init(devices=4)
+
+
+def deep_gpt():
+    """A GPT of 8 blocks: each ZeRO-3 unit (a block) an eighth of the parameters."""
+    torch.manual_seed(0)
+    return gpt.GPT(gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=4, n_embd=128))
+
+
+def gpt_step(model, opt, x, y):
+    _, loss = model(x, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_model_three_times_the_budget_trains_under_zero3_and_is_refused_without():
+    """Parameters, gradients and AdamW state (16 bytes a parameter in fp32) are three times one
+    device's budget: on 4 devices ZeRO-3 holds 3/4 of the budget at rest, and its planned peak (one
+    block gathered at a time, its gradients, the activations) fits in the rest. Without ZeRO the
+    plan is refused before anything runs, naming what would fit."""
+    model, ref = deep_gpt(), deep_gpt()
+    psi = sum(p.numel() for p in ref.parameters())
+    mesh = mesh_for("dp")
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(64, (4, 16), generator=g), torch.randint(64, (4, 16), generator=g)) for _ in range(3)]
+    with budget(16 * psi // 3):
+        with pytest.raises(MemoryError, match=r"(?s)over its budget.*Plan\(zero=3\): .*fits"):
+            shoal.distribute_module(deep_gpt(), mesh, shoal.Plan(zero=0))
+        with pytest.raises(MemoryError, match=r"Plan\(zero=3\)"):
+            shoal.distribute_module(deep_gpt(), mesh, shoal.Plan(zero=2))
+        shoal.distribute_module(model, mesh, shoal.Plan(zero=3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = shoal.compile(gpt_step)
+        losses = [step(model, opt, shoal.to_global(x, mesh, shoal.S(0)), shoal.to_global(y, mesh, shoal.S(0))).item()
+                  for x, y in data]
+        assert step.traces == 1 and max(step.plan.peak_bytes.values()) <= 16 * psi // 3
+        assert max(shoal.memory_report(model, opt).total().values()) == 4 * psi  # 16 bytes / 4 devices
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    want = [gpt_step(ref, ref_opt, x, y).item() for x, y in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_step_over_the_budget_is_refused_before_it_runs():
+    """States that fit (ZeRO-3 at rest: 4 bytes a parameter) but a planned peak that does not."""
+    model = deep_gpt()
+    psi = sum(p.numel() for p in model.parameters())
+    mesh = mesh_for("dp")
+    x = shoal.to_global(torch.randint(64, (4, 16)), mesh, shoal.S(0))
+    with budget(4 * psi + 1024):
+        shoal.distribute_module(model, mesh, shoal.Plan(zero=3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = shoal.compile(gpt_step)
+        step(model, opt, x, x)  # the first call, eager, makes the optimizer state
+        before = [p.detach().full() for p in model.parameters()]
+        with pytest.raises(MemoryError, match=r"(?s)planned peak on device \d.*over its budget.*states .*largest: "
+                                              r"opt\[.*activations"):
+            step(model, opt, x, x)
+        assert all(torch.equal(p.detach().full(), b) for p, b in zip(model.parameters(), before))
+
+
+def test_the_budget_is_checked_again_at_the_optimizer_s_first_step():
+    """SGD without momentum keeps no state, Adam two tensors a parameter: a budget that holds the
+    parameters and gradients (8 bytes each) passes distribute_module's Adam-like estimate only under
+    ZeRO-1, and an SGD with momentum (1 tensor) fits where an AdamW with amsgrad (3) does not."""
+    mesh = mesh_for("dp")
+    model = deep_gpt()
+    psi = sum(p.numel() for p in model.parameters())
+    with budget(10 * psi):
+        shoal.distribute_module(model, mesh, shoal.Plan(zero=1))  # 4 + 4 + 8/4 = 10 bytes a parameter
+        x = shoal.to_global(torch.randint(64, (4, 16)), mesh, shoal.S(0))
+        gpt_step(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, x)
+        with pytest.raises(MemoryError, match="AdamW's first step"):
+            gpt_step(model, torch.optim.AdamW(model.parameters(), amsgrad=True), x, x)
+
+
+def test_budget_strings():
+    from shoal.world import parse_bytes
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="memory_per_device"):
+        parse_bytes("lots")

@@ -19,6 +19,11 @@ _PLUMBING = ("/shoal/graph/", "/shoal/dispatch/", "/shoal/dispatch.py", "/shoal/
 _SHIPPED = tuple(_LIBRARY_DIRS[0] + p for p in ("models" + os.sep, "train.py", "demo.py"))
 
 
+class DoesNotFit(MemoryError):
+    """A plan that would hold more bytes on a device than ``shoal.init(memory_per_device=...)``
+    allows, refused before it runs."""
+
+
 class TraceError(RuntimeError):
     pass
 

@@ -193,7 +193,8 @@ def _wrapper_device() -> torch.device:
 
 
 def _storages(shards) -> set:
-    return {t.untyped_storage().data_ptr() for t in shards if t is not None}
+    # the storage itself, not its data pointer: meta shards (a trace's) all point at 0
+    return {t.untyped_storage()._cdata for t in shards if t is not None}
 
 
 def _unaliased(out: tuple, *sources: tuple) -> tuple:
@@ -205,8 +206,7 @@ def _unaliased(out: tuple, *sources: tuple) -> tuple:
     res, seen = [], set()
     for t in out:
         if t is not None:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in taken and id(t) not in seen:
+            if t.untyped_storage()._cdata in taken and id(t) not in seen:
                 t = t.clone()
             seen.add(id(t))
         res.append(t)

@@ -6,6 +6,7 @@ One process with K virtual CPU devices is the default; nothing outside this modu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class World:
     local_rank: int = 0  # this process's index on its host (picks its GPUs)
     timeout: float = 60.0  # seconds a collective waits for a peer before it fails
     gpus: int = 0  # one process's devices share this many GPUs (0: a GPU each)
+    memory_per_device: int | None = None  # bytes a plan may hold per device (None: unchecked)
 
     @property
     def size(self) -> int:
@@ -49,6 +51,9 @@ class World:
             return torch.device(self.device_type, (device % k) % self.gpus)
         return torch.device(self.device_type, self.local_rank * k + device % k)
 
+    def with_budget(self, budget: int | None) -> World:
+        return dataclasses.replace(self, memory_per_device=budget)
+
     def check(self, device: int) -> None:
         if not isinstance(device, int) or not 0 <= device < self.size:
             raise ValueError(
@@ -62,7 +67,7 @@ _WORLD: World | None = None
 
 
 def init(devices: int | None = None, device_type: str | None = None, timeout: float | None = None,
-         share_gpus: bool = False) -> World:
+         share_gpus: bool = False, memory_per_device: int | str | None = None) -> World:
     """Set up the world.
 
     One process (default): ``devices`` virtual devices (default ``$SHOAL_DEVICES`` or 1). Under
@@ -71,16 +76,19 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
     (gloo on CPU, NCCL on CUDA) with a ``timeout`` in seconds (default ``$SHOAL_TIMEOUT`` or 60)
     after which a collective whose peer died fails instead of hanging. ``share_gpus`` (one process,
     cuda): more devices than GPUs, spread round robin over the GPUs (several virtual devices on one
-    GPU, as on one CPU).
+    GPU, as on one CPU). ``memory_per_device``: a budget per device (bytes, or a string such as
+    "512MiB" or "80GB"); plans whose states (``distribute_module``, an optimizer's first step) or
+    planned peak (``shoal.compile``) exceed it are refused before they run.
     """
     global _WORLD
+    budget = parse_bytes(memory_per_device)
     if device_type is None:
         device_type = os.environ.get("SHOAL_DEVICE_TYPE", "cpu")
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"shoal.init: device_type must be 'cpu' or 'cuda', got {device_type!r}")
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" in os.environ and processes > 1:
-        _WORLD = _init_distributed(devices, device_type, processes, timeout)
+        _WORLD = _init_distributed(devices, device_type, processes, timeout).with_budget(budget)
         return _WORLD
     if devices is None:
         devices = int(os.environ.get("SHOAL_DEVICES", "1"))
@@ -94,8 +102,30 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
                 "pass share_gpus=True to put several devices on one GPU"
             )
         gpus = torch.cuda.device_count()
-    _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type=device_type, gpus=gpus)
+    _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type=device_type, gpus=gpus,
+                   memory_per_device=budget)
     return _WORLD
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(x: int | str | None) -> int | None:
+    """A byte count from an int or a string with a unit ("512MiB", "1.5 GB"); None stays None."""
+    if x is None or (isinstance(x, int) and not isinstance(x, bool) and x > 0):
+        return x
+    if isinstance(x, str):
+        text = x.strip().lower().replace(" ", "")
+        num = text.rstrip("kmgtib")
+        unit = text[len(num):] or "b"
+        try:
+            if unit in _UNITS and float(num) > 0:
+                return int(float(num) * _UNITS[unit])
+        except ValueError:
+            pass
+    raise ValueError(f"shoal.init: memory_per_device must be a positive number of bytes or a string such as "
+                     f"'512MiB' or '80GB', got {x!r}")
 
 
 def _init_distributed(devices, device_type: str, processes: int, timeout) -> World:

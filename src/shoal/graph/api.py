@@ -11,10 +11,13 @@ import torch
 
 from .. import aliasing
 from ..dispatch.execute import _region
+from ..errors import DoesNotFit
+from ..parallel.memory import byte_size
 from ..tensor import GlobalTensor
+from ..world import world
 from . import pipeline
 from .capture import capture, function_key, globals_key, guard_key, leaves
-from .ir import Graph, Ref, Value
+from .ir import Graph, Ref, Value, local_ids
 from .lower import LoweredPlan, lower
 from .passes import run_passes
 
@@ -148,6 +151,7 @@ class CompiledStep:
             if pipe is not None and stages is not None:
                 orders, registers = pipeline.device_orders(plan, stages, self.schedule, self.micro_batches)
                 pipeline.plan_memory(plan, orders, stages)
+            check_planned_peak(g, plan)
             entry = (g, plan, Runtime(plan, registers, orders=orders), creates, globals_key(g.globals_read))
             entries.append(entry)
             self.compile_seconds = time.perf_counter() - t0
@@ -225,6 +229,28 @@ class CompiledStep:
         return outs, entry
 
 
+def check_planned_peak(g: Graph, plan: LoweredPlan) -> None:
+    """Refuse (``DoesNotFit``) a plan whose planned peak on some device exceeds
+    ``shoal.init(memory_per_device=...)``, naming the largest states there and what the rest is."""
+    budget = world().memory_per_device
+    if budget is None or not plan.peak_bytes or max(plan.peak_bytes.values()) <= budget:
+        return
+    worst = max(plan.peak_bytes, key=plan.peak_bytes.get)
+    states = []
+    for s in g.slots:
+        b = sum(g.locals[x].nbytes for x in local_ids(s.before) if g.locals[x].device == worst)
+        if b:
+            states.append((b, s.label))
+    held = sum(b for b, _ in states)
+    top = ", ".join(f"{label} {byte_size(b)}" for b, label in sorted(states, reverse=True)[:5])
+    raise DoesNotFit(
+        f"shoal.compile: the step's planned peak on device {worst} is {byte_size(plan.peak_bytes[worst])}, over its "
+        f"budget of {byte_size(budget)} (shoal.init(memory_per_device=...)) by "
+        f"{byte_size(plan.peak_bytes[worst] - budget)}: states {byte_size(held)} (largest: {top}), activations and "
+        f"other temporaries at the peak {byte_size(plan.peak_bytes[worst] - held)}. Plan(zero=...) shrinks the "
+        f"states, Plan(checkpoint=[...]) the activations, more micro-batches the activations of a pipeline.")
+
+
 def _creates_optimizer_state(objs) -> bool:
     """Whether an optimizer among ``objs`` has a trainable parameter without state yet."""
     for _, o in objs:
@@ -300,8 +326,13 @@ def _bind(g: Graph, plan: LoweredPlan, objs: list, places: list) -> dict:
         env[lid] = torch.tensor(owner[key], dtype=dtype)
     env.update(_bind_inputs(g, plan, objs, 0))
     for s, (_, _, o) in zip(g.slots, places):
-        if s.before is not None:
-            _bind_one(env, s.before, o, plan)
+        if s.before is None:
+            continue
+        if plan.unread.issuperset(local_ids(s.before)):  # overwritten unread: let it go before the run
+            if not isinstance(s.owner, dict) and s.key is not None:
+                s.set(None)
+            continue
+        _bind_one(env, s.before, o, plan)
     return env
 
 

@@ -160,6 +160,15 @@ class Graph:
             out |= set(local_ids(s.before))
         return out
 
+    def unread_state(self) -> set:
+        """State Locals no op reads and the step does not leave in place: what it overwrites (a
+        gradient a ``zero_grad()`` in the step sets to None), released before the run."""
+        read = {x for op in self.ops for x in op.reads}
+        out = set()
+        for s in self.slots:
+            out |= set(local_ids(s.before))
+        return out - read - self.returned()
+
     def returned(self) -> set:
         """Locals the caller gets back: the outputs and the state left behind."""
         out = set()

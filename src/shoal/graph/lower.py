@@ -73,6 +73,7 @@ class LoweredPlan:
     static: set  # Local ids bound before the run (inputs, state, constants)
     written: set  # storages (base Local ids) some op writes in place
     returned: set  # Local ids the caller gets back: outputs and the state left behind
+    unread: set = field(default_factory=set)  # state Locals released before the run (Graph.unread_state)
     peak_bytes: dict = field(default_factory=dict)
     in_flight: dict = field(default_factory=dict)  # a pipelined step's: device -> micro-batches held at once
 
@@ -179,8 +180,8 @@ def lower(g: Graph, backend: str | None = None, pipelined: bool = False) -> Lowe
         t.exports = sorted(exported.get(t.id, ()))
         t.run = _compile(t, g, backend)
         t.thread = _thread_of(t, w)
-    plan = LoweredPlan(g, tasks, producer, rebind, static, written, needed_out)
-    plan.peak_bytes = _peak_bytes(g, tasks)
+    plan = LoweredPlan(g, tasks, producer, rebind, static, written, needed_out, g.unread_state())
+    plan.peak_bytes = _peak_bytes(g, tasks, plan.unread)
     return plan
 
 
@@ -394,16 +395,17 @@ def _paths(o, path):
     return []
 
 
-def _peak_bytes(g: Graph, tasks) -> dict:
-    """Planned peak per device: state and inputs, plus the temporaries alive at once when each
-    device's segments run in order and free at last use."""
+def _peak_bytes(g: Graph, tasks, unread: set) -> dict:
+    """Planned peak per device: state and inputs (but the ``unread`` state, released before the
+    run), plus the temporaries alive at once when each device's segments run in order and free at
+    last use."""
     order = [op for t in tasks for op in t.ops]
     last_use: dict = {}
     for i, op in enumerate(order):
         for lid in (*op.reads, *op.out_ids):
             last_use[g.locals[lid].base] = i
     live: dict = {}
-    kept = {g.locals[x].base for x in g.bound() | g.returned()}
+    kept = {g.locals[x].base for x in (g.bound() - unread) | g.returned()}
     for lid in kept:
         loc = g.locals[lid]
         if loc.device is not None:

@@ -19,12 +19,15 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..errors import DoesNotFit
 from ..mesh import Mesh
 from ..sbp import Broadcast, Partial, Split
+from ..spec import TensorSpec
 from ..tensor import GlobalTensor
+from ..world import world
 
 __all__ = ["zero_layout", "shard_optimizer_state", "install_zero", "memory_per_device", "memory_report",
-           "MemoryReport"]
+           "MemoryReport", "state_bytes", "check_fit", "byte_size"]
 
 
 def zero_layout(spec_sbp: tuple, shape: Sequence[int], mesh: Mesh, axis: int) -> tuple:
@@ -87,7 +90,11 @@ def install_zero(module: nn.Module, level: int, axis_name: str | None, units: Se
     if level not in (0, 1, 2, 3):
         raise ValueError(f"Plan(zero={level!r}): give 0 (none), 1 (optimizer state), 2 (+ gradients) or "
                          f"3 (+ parameters)")
+    module._shoal_zero_level = level
+    _DISTRIBUTED.add(module)
     if level == 0:
+        check_fit(module, level, "distribute_module")
+        _install_optimizer_hook()
         return
     for p in module.parameters():
         if isinstance(p, GlobalTensor) and p.requires_grad:
@@ -97,6 +104,7 @@ def install_zero(module: nn.Module, level: int, axis_name: str | None, units: Se
     if level == 3:
         _split_at_rest(module, units)
     _ZEROED.add(module)
+    check_fit(module, level, "distribute_module")
     _install_optimizer_hook()
 
 
@@ -136,22 +144,74 @@ def _split_at_rest(module: nn.Module, units: Sequence[str]) -> None:
 
 
 def _gather(entries):
+    """Before a unit's forward: its parameters gathered to their full layouts, and what autograd
+    saves of them for backward not kept but gathered again when backward needs it."""
     def hook(mod, args):
         for m, name in entries:
             p = m._parameters[name]
-            m._parameters[name] = p.to_global(p.mesh, p._shoal_full_sbp)
-            m._parameters[name]._shoal_rest = p
+            if hasattr(p, "_shoal_rest"):  # the unit called again inside its own forward
+                continue
+            full = p.to_global(p.mesh, p._shoal_full_sbp)
+            full._shoal_rest = p
+            m._parameters[name] = full
+            _GATHERED[_storage(full)] = full
+        saving = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        saving.__enter__()
+        mod._shoal_saving = [*getattr(mod, "_shoal_saving", []), saving]
     return hook
 
 
 def _release(entries):
+    """After a unit's forward: its parameters split at rest again (the gathered ones are freed)."""
     def hook(mod, args, out):
+        mod._shoal_saving.pop().__exit__(None, None, None)
         for m, name in entries:
-            m._parameters[name] = m._parameters[name]._shoal_rest
+            full = m._parameters[name]
+            if hasattr(full, "_shoal_rest"):
+                _GATHERED.pop(_storage(full), None)
+                m._parameters[name] = full._shoal_rest
     return hook
 
 
+_GATHERED: dict = {}  # storage of a gathered parameter's first local shard -> the gathered parameter
+
+
+def _storage(t: GlobalTensor):
+    return t._shards[t.mesh.local_positions[0]].untyped_storage()._cdata
+
+
+def _pack(t):
+    """What autograd keeps of a tensor it saves: for a gathered parameter (or its transpose, as
+    ``linear`` saves it), the parameter at rest and how to make the view again."""
+    if not isinstance(t, GlobalTensor) or not _GATHERED:
+        return t
+    full = _GATHERED.get(_storage(t))
+    if full is None:
+        return t
+    if t.shape == full.shape and t.stride() == full.stride():
+        return _Regather(full._shoal_rest, False)
+    if t.ndim == 2 and t.shape == full.shape[::-1] and t.stride() == full.stride()[::-1]:
+        return _Regather(full._shoal_rest, True)
+    return t
+
+
+def _unpack(x):
+    if not isinstance(x, _Regather):
+        return x
+    with torch.no_grad():
+        full = x.rest.detach().to_global(x.rest.mesh, x.rest._shoal_full_sbp)
+    return full.t() if x.transposed else full
+
+
+class _Regather:
+    __slots__ = ("rest", "transposed")
+
+    def __init__(self, rest, transposed: bool) -> None:
+        self.rest, self.transposed = rest, transposed
+
+
 _ZEROED: weakref.WeakSet = weakref.WeakSet()  # modules under Plan(zero >= 1)
+_DISTRIBUTED: weakref.WeakSet = weakref.WeakSet()  # modules distribute_module laid out (for the fit check)
 _SPLIT_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 _HOOK = []
 
@@ -162,11 +222,17 @@ def _install_optimizer_hook() -> None:
 
 
 def _first_step(opt, args, kwargs) -> None:
-    """At an optimizer's first step: if it updates ZeRO parameters, split its state from then on."""
+    """At an optimizer's first step: check that the state it is about to make fits the budget, and
+    if it updates ZeRO parameters, split its state from then on."""
     if opt in _SPLIT_OPTIMIZERS:
         return
+    _SPLIT_OPTIMIZERS.add(opt)
+    if world().memory_per_device is not None and not opt.state:
+        for m in list(_DISTRIBUTED):
+            mine = {id(p) for p in m.parameters()}
+            if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+                check_fit(m, m._shoal_zero_level, f"{type(opt).__name__}'s first step", _state_slots(opt))
     if any(hasattr(p, "_shoal_zero") for g in opt.param_groups for p in g["params"]):
-        _SPLIT_OPTIMIZERS.add(opt)
         opt.register_step_post_hook(_split_zero_state)
 
 
@@ -254,3 +320,105 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if optimizer is not None:
         kinds["optimizer state"] = memory_per_device(optimizer)
     return MemoryReport(kinds)
+
+
+# -- the fit check -------------------------------------------------------------------------------
+
+
+def _state_slots(opt: torch.optim.Optimizer) -> float:
+    """State tensors per parameter the optimizer will make (Adam-like: 2)."""
+    d = opt.defaults
+    name = type(opt).__name__
+    if name in ("SGD",):
+        return 1.0 if d.get("momentum", 0) else 0.0
+    if name in ("Adagrad", "Rprop", "ASGD"):
+        return 1.0 if name == "Adagrad" else 2.0
+    if name == "RMSprop":
+        return 1.0 + bool(d.get("momentum", 0)) + bool(d.get("centered", False))
+    return 2.0 + bool(d.get("amsgrad", False))
+
+
+def _bytes_on(shape, dtype, mesh: Mesh, sbp) -> dict[int, int]:
+    spec = TensorSpec(tuple(shape), dtype, mesh, tuple(sbp))
+    item = torch.empty((), dtype=dtype).element_size()
+    out = {}
+    for pos, dev in enumerate(mesh.devices):
+        n = 1
+        for s in spec.local_shape(pos):
+            n *= s
+        out[dev] = n * item
+    return out
+
+
+def state_bytes(module: nn.Module, level: int, slots: float = 2.0) -> dict[int, list[tuple[int, str, str]]]:
+    """What each device will hold for ``module`` under ZeRO ``level`` with an optimizer keeping
+    ``slots`` state tensors per parameter: device -> [(bytes, kind, name)], from the layouts alone."""
+    out: dict[int, list] = {}
+    seen: set = set()
+
+    def add(per: dict, kind: str, name: str, scale: float = 1.0) -> None:
+        for d, b in per.items():
+            if b:
+                out.setdefault(d, []).append((int(b * scale), kind, name))
+
+    for name, p in module.named_parameters():
+        if not isinstance(p, GlobalTensor) or id(p) in seen:
+            continue
+        seen.add(id(p))
+        full = getattr(p, "_shoal_full_sbp", p.sbp)
+        whole = tuple(Broadcast() if isinstance(s, Partial) else s for s in full)
+        a = getattr(p, "_shoal_zero", (0, dp_axis(p.mesh, None)))[1]
+        split = zero_layout(whole, p.shape, p.mesh, a) if p.mesh.shape[a] > 1 else whole
+        add(_bytes_on(p.shape, p.dtype, p.mesh, split if level >= 3 else whole), "parameters", name)
+        if p.requires_grad:
+            add(_bytes_on(p.shape, p.dtype, p.mesh, split if level >= 2 else whole), "gradients", name)
+            master = getattr(p, "_shoal_master_dtype", None)
+            on = split if level >= 1 else whole
+            if master is not None:
+                add(_bytes_on(p.shape, master, p.mesh, on), "master weights", name)
+            add(_bytes_on(p.shape, master or p.dtype, p.mesh, on), "optimizer state", name, slots)
+    for name, b in module.named_buffers():
+        if isinstance(b, GlobalTensor) and id(b) not in seen:
+            seen.add(id(b))
+            add(_bytes_on(b.shape, b.dtype, b.mesh, tuple(Broadcast() if isinstance(s, Partial) else s for s in b.sbp)),
+                "buffers", name)
+    return out
+
+
+def byte_size(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_fit(module: nn.Module, level: int, where: str, slots: float = 2.0) -> None:
+    """Refuse (``DoesNotFit``) a plan whose states exceed ``shoal.init(memory_per_device=...)`` on
+    some device, naming the largest consumers there and the ZeRO stages that would fit."""
+    budget = world().memory_per_device
+    if budget is None:
+        return
+    per = state_bytes(module, level, slots)
+    totals = {d: sum(b for b, _, _ in items) for d, items in per.items()}
+    if not totals or max(totals.values()) <= budget:
+        return
+    worst = max(totals, key=totals.get)
+    kinds: dict[str, int] = {}
+    for b, kind, _ in per[worst]:
+        kinds[kind] = kinds.get(kind, 0) + b
+    top = sorted(per[worst], reverse=True)[:5]
+    by_kind = ", ".join(f"{k} {byte_size(v)}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    lines = [f"shoal: {where}: the plan holds {byte_size(totals[worst])} on device {worst}, over its budget of "
+             f"{byte_size(budget)} (shoal.init(memory_per_device=...)) by {byte_size(totals[worst] - budget)}, before "
+             f"activations. By kind: {by_kind}",
+             f"  largest on device {worst}: " + ", ".join(f"{n} ({k}) {byte_size(b)}" for b, k, n in top)]
+    options = []
+    for lv in range(4):
+        if lv != level:
+            t = max(sum(b for b, _, _ in items) for items in state_bytes(module, lv, slots).values())
+            verdict = f"fits, {byte_size(budget - t)} to spare" if t <= budget else f"over by {byte_size(t - budget)}"
+            options.append(f"Plan(zero={lv}): {byte_size(t)} ({verdict})")
+    lines.append("  with the same layouts otherwise: " + "; ".join(options)
+                 + ". Mixed precision (Plan(precision='bf16')), more devices on the data-parallel axis, or "
+                   "pipeline stages also shrink it.")
+    raise DoesNotFit("\n".join(lines))
