@@ -12,15 +12,16 @@ from shoal.models import gpt
 from test_models import MODELS, batches, check_state, fit, initial, mesh_for, reference
 
 
-def compiled_fit(model, opt, data) -> list[float]:
-    @shoal.compile
-    def step(model, opt, x, y):
-        _, loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss
+def gpt_step(model, opt, x, y):
+    _, loss = model(x, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
 
+
+def compiled_fit(model, opt, data) -> list[float]:
+    step = shoal.compile(gpt_step)
     return [step(model, opt, x, y).item() for x, y in data]
 
 
@@ -124,14 +125,6 @@ def deep_gpt():
     """A GPT of 8 blocks: each ZeRO-3 unit (a block) an eighth of the parameters."""
     torch.manual_seed(0)
     return gpt.GPT(gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=4, n_embd=128))
-
-
-def gpt_step(model, opt, x, y):
-    _, loss = model(x, y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
 
 
 def test_a_model_three_times_the_budget_trains_under_zero3_and_is_refused_without():
