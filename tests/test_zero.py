@@ -192,3 +192,23 @@ def test_budget_strings():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="memory_per_device"):
         parse_bytes("lots")
+
+
+def test_zero3_gathers_run_one_segment_ahead_not_all_at_the_start():
+    """A gather of state alone could start at once; each waits for the compute before its unit's
+    previous one, so that not every layer's parameters are held gathered at the same time."""
+    model = deep_gpt()
+    mesh = mesh_for("dp")
+    shoal.distribute_module(model, mesh, shoal.Plan(zero=3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = shoal.compile(gpt_step)
+    x = shoal.to_global(torch.randint(64, (4, 16)), mesh, shoal.S(0))
+    for _ in range(2):
+        step(model, opt, x, x)
+    static = step.plan.static
+    gathers = [t for t in step.plan.tasks if t.kind == "comm" and t.name == "comm.all_gather"]
+    assert len(gathers) > 20 and all(set(op.reads) <= static for t in gathers for op in t.ops)
+    timeline = step.simulate(lambda t: 1.0 if t.kind == "compute" else 0.001)
+    first_compute = min(f.end for f in timeline if f.thread.startswith("dev"))
+    early = [f for f in timeline if f.task == "comm.all_gather" and f.start < first_compute]
+    assert len(early) < len(gathers) / 4, (len(early), len(gathers))

@@ -328,7 +328,8 @@ def _bind(g: Graph, plan: LoweredPlan, objs: list, places: list) -> dict:
     for s, (_, _, o) in zip(g.slots, places):
         if s.before is None:
             continue
-        if plan.unread.issuperset(local_ids(s.before)):  # overwritten unread: let it go before the run
+        mine = local_ids(s.before)  # none: the state lives on other processes' devices
+        if mine and plan.unread.issuperset(mine):  # overwritten unread: let it go before the run
             if not isinstance(s.owner, dict) and s.key is not None:
                 s.set(None)
             continue

@@ -113,11 +113,17 @@ def lower(g: Graph, backend: str | None = None, pipelined: bool = False) -> Lowe
     last_comm = None
     comms = 0  # collectives so far
     consumed: set = set()  # host segments some device segment depends on
+    closed: dict = {}  # device -> its compute segments in the order a collective ended them
     for op in g.ops:
         if op.kind == "comm":
             for k in [k for k in cur if k[0] in op.devices]:
-                del cur[k]
+                closed.setdefault(k[0], []).append(cur.pop(k).id)
             t = new("comm", None)
+            if all(x in static for x in op.reads):
+                # a collective of state alone (ZeRO-3's gathers) could run at the start, and every
+                # gathered parameter would then be held at once: it starts once the segment before
+                # the last of its devices is done, one segment ahead of its use
+                t.deps |= {(closed[d][-2], 0) for d in op.devices if len(closed.get(d, ())) > 1}
             if w.processes > 1 and last_comm is not None:  # collectives in the same order on every process
                 t.deps.add((last_comm, 0))
             last_comm = t.id
