@@ -117,3 +117,23 @@ def test_pipelined_plans_say_what_they_need():
         train(TrainConfig(plan="pp,dp", micro_batches=4, verbose=False, save=False))
     with pytest.raises(ValueError, match="--micro-batches"):
         train(TrainConfig(plan="pp,dp", mesh=(2, 2), verbose=False, save=False))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_zero3_with_checkpointing_equals_data_parallel(compile):
+    """``shoal train gpt --plan zero3 --checkpoint 'blocks.*'``: the losses of ``--plan dp``."""
+    common = dict(model="gpt", devices=4, steps=3, batch=8, save=False, verbose=False, progress=False, sample=0,
+                  model_args={"n_layer": 2, "n_embd": 32, "block_size": 16}, compile=compile)
+    want = train(TrainConfig(plan="dp", **common)).losses
+    got = train(TrainConfig(plan="zero3", checkpoint=("blocks.*",), **common))
+    assert got.losses == pytest.approx(want, rel=1e-5)
+    assert max(got.memory.values()) * 4 == pytest.approx(4 * got.params * 4, rel=0.02)  # 16 bytes / 4 devices
+
+
+def test_the_cli_reads_checkpoint_and_precision():
+    from shoal.cli import _config, parser
+
+    args = parser().parse_args(["train", "gpt", "--plan", "zero3", "--checkpoint", "blocks.*", "--checkpoint", "ln_f",
+                                      "--precision", "bf16"])
+    cfg = _config(args)
+    assert (cfg.plan, tuple(cfg.checkpoint), cfg.precision) == ("zero3", ("blocks.*", "ln_f"), "bf16")

@@ -88,6 +88,11 @@ def parser() -> argparse.ArgumentParser:
                    help="train each step in this many micro-batches, compiled (pp plans need it; default %(default)s)")
     t.add_argument("--schedule", default=d.schedule, choices=("gpipe", "1f1b", "interleaved", "zb"),
                    help="pipeline schedule for pp plans (default %(default)s)")
+    t.add_argument("--checkpoint", action="append", default=[], metavar="PATTERN",
+                   help="recompute the activations of the modules matching PATTERN in backward (e.g. 'blocks.*'; "
+                        "repeat for more)")
+    t.add_argument("--precision", default=None, choices=("bf16",),
+                   help="bf16 parameters and compute, fp32 master weights and optimizer state (default: fp32)")
     sub.add_parser(
         "run",
         help="run a script on P processes (torchrun): shoal run -n P [--devices-per-process K] script.py ...",

@@ -75,6 +75,8 @@ class TrainConfig:
     compile: bool = False  # run the step as a compiled graph (shoal.compile) instead of eagerly
     micro_batches: int = 1  # > 1: a compiled pipelined step over that many micro-batches (pp plans need it)
     schedule: str = "1f1b"  # the pipeline schedule: gpipe | 1f1b | interleaved | zb
+    checkpoint: tuple = ()  # module name patterns whose activations are recomputed in backward
+    precision: str | None = None  # None (fp32) | "bf16": bf16 parameters, fp32 master weights and state
 
 
 @dataclass
@@ -151,11 +153,12 @@ def _lay_out(cfg: TrainConfig, model: nn.Module, shape: tuple[int, ...]) -> tupl
         inner = MODELS[cfg.model].plans(mesh.submesh(pp=0), _stage_kind(cfg.plan))
         batch = inner.inputs[""]
         plan = Plan(params=inner.params, inputs={"": (B, *(batch if isinstance(batch, tuple) else (batch,)))},
-                    stages="auto")
+                    stages="auto", checkpoint=tuple(cfg.checkpoint), precision=cfg.precision)
         return mesh, plan
     names = ("dp", "tp") if len(shape) == 2 else ("tp",) if cfg.plan == "tp" else ("dp",)
     mesh = Mesh(ids, axes=names)
-    return mesh, MODELS[cfg.model].plans(mesh, cfg.plan)
+    plan = MODELS[cfg.model].plans(mesh, cfg.plan)
+    return mesh, dataclasses.replace(plan, checkpoint=tuple(cfg.checkpoint), precision=cfg.precision)
 
 
 def _model_config(cfg: TrainConfig, **decided):
@@ -372,6 +375,10 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
         if plan.zero:
             split = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and parameters")
             print(f"  ZeRO-{plan.zero}: {split[plan.zero - 1]} split over dp")
+        if plan.checkpoint:
+            print(f"  activations of {', '.join(plan.checkpoint)} recomputed in backward")
+        if plan.precision:
+            print(f"  {plan.precision} parameters and compute, fp32 master weights and optimizer state")
 
 
 def _sbp(layout) -> str:

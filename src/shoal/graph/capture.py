@@ -377,7 +377,7 @@ def capture(fn, args: tuple, kwargs: dict, optimizers: bool = True) -> Graph:
             args, kwargs = tree_map(lambda t: copies.get(id(t), t), (args, kwargs))
         # the trace draws random numbers for real (host work runs): the step itself must draw the same
         tr.outer = sys._getframe()
-        with _same_random_state(), seam.using(tr), _optimizers_traceable(opts, tr, g), tr:
+        with _same_random_state(), seam.using(tr), _optimizers_traceable(opts, tr, g), tr, tr.recording_rng():
             out = fn(*args, **kwargs)
         g.globals_read = _user_globals(tr.code_seen)
         g.outputs = _out_refs(tr, out, g)

@@ -129,6 +129,33 @@ class Tracer(TorchDispatchMode, Execution):
     def host_input(self, t: torch.Tensor) -> int:
         return self.new_local(t, None)
 
+    @contextlib.contextmanager
+    def recording_rng(self):
+        """``torch.get_rng_state`` / ``torch.set_rng_state`` run for real and recorded as host work,
+        in program order with the random draws: a checkpointed module's recomputation in backward
+        sets the state its forward drew from, in the run as in the trace."""
+        get, put = torch.get_rng_state, torch.set_rng_state
+
+        def get_state():
+            state = _get_rng_state()
+            lid = self.new_local(state, None)
+            self._op(kind="host", fn=_get_rng_state, args=(), kwargs={}, outs=Ref(lid), device=None, reads=(),
+                     writes=(), out_ids=(lid,))
+            return state
+
+        def set_state(state):
+            _set_rng_state(state)
+            lid = self.lid(state)
+            arg, reads = (Ref(lid), (lid,)) if lid is not None else (state.clone(), ())
+            self._op(kind="host", fn=_set_rng_state, args=(arg,), kwargs={}, outs=None, device=None, reads=reads,
+                     writes=(), out_ids=())
+
+        torch.get_rng_state, torch.set_rng_state = get_state, set_state
+        try:
+            yield
+        finally:
+            torch.get_rng_state, torch.set_rng_state = get, put
+
     # -- nodes ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def node(self, kind: str, target: str, inputs: list):
@@ -374,6 +401,18 @@ class Tracer(TorchDispatchMode, Execution):
         self._op(kind="place", fn=copy, args=(Ref(lid),), kwargs={}, outs=Ref(out), device=device, reads=(lid,),
                  out_ids=(out,))
         return m
+
+
+def _get_rng_state() -> torch.Tensor:
+    return torch.random.default_generator.get_state()
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    torch.random.default_generator.set_state(state)
+
+
+# what the passes look for in a random op: the stream must advance (and be set) as in eager
+_get_rng_state.tags = _set_rng_state.tags = (torch.Tag.nondeterministic_seeded,)
 
 
 class _Unkeyed(Exception):

@@ -20,6 +20,8 @@ from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .balance import balance, describe, unit_costs
 from .memory import install_zero, memory_per_device, memory_report, shard_optimizer_state, zero_layout
+from .precision import install_precision
+from .recompute import install_checkpointing
 from .reducer import GradReducer
 
 __all__ = ["Plan", "Stages", "pipeline_stages", "balance", "distribute_module", "shard_optimizer_state",
@@ -48,6 +50,8 @@ class Plan:
     zero: int = 0
     dp_axis: str | None = None
     zero_unit: Sequence[str] = ()
+    precision: object = None  # None (the module's dtypes), "bf16", "fp16" or a Precision
+    checkpoint: Sequence[str] = ()  # module name patterns whose activations are recomputed in backward
 
 
 def distribute_module(
@@ -87,7 +91,9 @@ def distribute_module(
         staged.install(module)
     if plan.dp_axis is not None and plan.dp_axis not in mesh.axes:
         raise ValueError(f"Plan(dp_axis={plan.dp_axis!r}): the mesh has axes {mesh.axes}")
+    install_precision(module, plan.precision)
     install_zero(module, plan.zero, plan.dp_axis, plan.zero_unit)
+    install_checkpointing(module, plan.checkpoint)
     if reduce_gradients:
         module._shoal_reducer = GradReducer([p for p in module.parameters() if isinstance(p, GlobalTensor)])
     unused = [p for p in plan.params if p not in used]
