@@ -9,7 +9,15 @@ from .comm.counter import CommCounter
 from .dispatch import coverage
 from .graph.api import CompiledStep, compile
 from .mesh import Mesh
-from .parallel import Plan, data_parallel, distribute_module, memory_per_device, memory_report, shard_optimizer_state
+from .parallel import (
+    Plan,
+    Precision,
+    data_parallel,
+    distribute_module,
+    memory_per_device,
+    memory_report,
+    shard_optimizer_state,
+)
 from .sbp import SBP, B, Broadcast, P, Partial, S, Split
 from .spec import TensorSpec
 from .tensor import GlobalTensor, from_local, from_local_batch, to_global
@@ -32,6 +40,7 @@ __all__ = [
     "compile",
     "coverage",
     "Plan",
+    "Precision",
     "data_parallel",
     "distribute_module",
     "memory_per_device",

@@ -96,9 +96,15 @@ def _all_local(shards: Shards) -> bool:
 _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
+# Partial sums in a low precision are added in float32 and rounded once (one device computing the
+# whole sum accumulates in float32 too); max and min round nothing.
+_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
 def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     f = _REDUCE[op]
-    acc = xs[0]
+    wide = _WIDE.get(xs[0].dtype) if op == "sum" else None
+    acc = xs[0] if wide is None else xs[0].to(wide)
     for x in xs[1:]:
         acc = f(acc, x)
     return acc
@@ -114,7 +120,7 @@ def _reduce_group(devices: Sequence[int], shards: Shards, op: str) -> torch.Tens
         if total is local[0]:
             total = total.clone()  # the collective writes in place
         _dist.all_reduce(total, op, _ranks(devices))
-    return total
+    return total.to(local[0].dtype)
 
 
 @collective
@@ -144,7 +150,7 @@ def all_reduce_start(devices: Sequence[int], shards: Shards, op: str = "sum"):
     def finish() -> list:
         if work is not None:
             _dist.wait(work, "all_reduce", _ranks(devices))
-        return _place(total, devices, shards)
+        return _place(total.to(local[0].dtype), devices, shards)
 
     return finish
 

@@ -20,12 +20,12 @@ from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
 from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .balance import balance, describe, unit_costs
 from .memory import install_zero, memory_per_device, memory_report, shard_optimizer_state, zero_layout
-from .precision import install_precision
+from .precision import Precision, install_precision
 from .recompute import install_checkpointing
 from .reducer import GradReducer
 
 __all__ = ["Plan", "Stages", "pipeline_stages", "balance", "distribute_module", "shard_optimizer_state",
-           "memory_per_device", "memory_report", "zero_layout", "data_parallel"]
+           "memory_per_device", "memory_report", "zero_layout", "data_parallel", "Precision"]
 
 Layout = SBP | Sequence[SBP]
 

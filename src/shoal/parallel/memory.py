@@ -132,6 +132,8 @@ def _split_at_rest(module: nn.Module, units: Sequence[str]) -> None:
             want = zero_layout(p.sbp, p.shape, p.mesh, a)
             q = nn.Parameter(p.detach().to_global(p.mesh, want), requires_grad=True)
             q._shoal_zero, q._shoal_full_sbp = p._shoal_zero, p.sbp
+            if hasattr(p, "_shoal_master_dtype"):
+                q._shoal_master_dtype = p._shoal_master_dtype
             for h in p._post_accumulate_grad_hooks.values() if p._post_accumulate_grad_hooks else ():
                 q.register_post_accumulate_grad_hook(h)
             split[id(p)] = q
@@ -319,6 +321,10 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
              "gradients": memory_per_device([p.grad for p in params if p.grad is not None])}
     if optimizer is not None:
         kinds["optimizer state"] = memory_per_device(optimizer)
+        mine = {id(p) for p in params}
+        masters = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+        if masters:
+            kinds["master weights"] = memory_per_device(masters)
     return MemoryReport(kinds)
 
 

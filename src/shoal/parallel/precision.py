@@ -1,6 +1,155 @@
-"""Mixed precision (placeholder while it is written)."""
+"""Mixed precision from the plan: ``Plan(precision="bf16")`` or ``Precision(param, reduce, master)``.
+
+Megatron-LM's recipe on shoal's layouts. The module's floating-point parameters are held and
+computed in ``param`` (bf16), and so are the module's floating-point inputs; batch norms keep fp32
+parameters (as apex and Megatron do: ATen's batch norm takes bf16 inputs with fp32 statistics and
+affine parameters, not bf16 ones). Gradients come out of backward in bf16 as partial sums over the
+data-parallel axes, and are reduced (all-reduce, or reduce-scatter under ZeRO-2/3) in fp32 and
+rounded to bf16 once: every collective adds low-precision partial sums in fp32 (``shoal.comm``).
+The user's optimizer (a plain torch optimizer over ``model.parameters()``) is found at its first
+step and given fp32 master copies instead of the bf16 parameters (split over the ZeRO axis like its
+state); before each step a master's gradient is its parameter's, in fp32; after it the parameter is
+the master rounded to bf16. ``opt.zero_grad()`` clears the bf16 gradients too. "fp16" (which needs
+loss scaling) is not built.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..tensor import GlobalTensor
+from .memory import zero_layout
+
+__all__ = ["Precision", "install_precision", "master_weights"]
 
 
-def install_precision(module, precision) -> None:
-    if precision is not None:
-        raise NotImplementedError("Plan(precision=...)")
+@dataclass(frozen=True)
+class Precision:
+    """Dtypes of the parameters and compute (``param``), of gradient reduction (``reduce``), and of
+    the master weights and optimizer state (``master``)."""
+
+    param: torch.dtype = torch.bfloat16
+    reduce: torch.dtype = torch.float32
+    master: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.reduce != torch.float32:
+            raise ValueError(f"Precision(reduce={self.reduce}): shoal reduces low-precision partial sums in float32 "
+                             f"only (as one device accumulates them)")
+
+    @staticmethod
+    def of(x) -> Precision | None:
+        if x is None or isinstance(x, Precision):
+            return x
+        if x == "bf16":
+            return Precision()
+        if x == "fp16":
+            raise NotImplementedError("Plan(precision='fp16') needs dynamic loss scaling, which shoal does not have "
+                                      "yet; use precision='bf16' (same range as fp32, no scaling needed)")
+        raise ValueError(f"Plan(precision={x!r}): give 'bf16' or a shoal.Precision(param=..., reduce=..., master=...)")
+
+
+def install_precision(module: nn.Module, precision) -> None:
+    """Hold ``module``'s floating-point parameters in ``precision.param``, mark them for master
+    weights."""
+    prec = Precision.of(precision)
+    if prec is None:
+        return
+    made: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+    for mod in module.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            continue  # its running statistics are fp32, and ATen's batch norm wants its affine parameters so
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point() or not isinstance(p, GlobalTensor):
+                continue
+            if id(p) not in made:
+                q = nn.Parameter(p.detach().to(prec.param), requires_grad=p.requires_grad)
+                for h in (p._post_accumulate_grad_hooks or {}).values():
+                    q.register_post_accumulate_grad_hook(h)
+                q._shoal_master_dtype = prec.master
+                made[id(p)] = q
+            mod._parameters[name] = made[id(p)]
+    module.register_forward_pre_hook(_cast_inputs(prec.param), with_kwargs=True)
+    _install_hooks()
+
+
+def _cast_inputs(dtype: torch.dtype):
+    """A forward pre-hook casting the module's floating-point tensor arguments (images) to the
+    compute dtype, as FSDP's mixed precision does; integer ones (token ids) stay as they are."""
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(mod, args, kwargs):
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+    return hook
+
+
+# -- master weights --------------------------------------------------------------------------------
+
+_MASTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> [(parameter, master)]
+_HOOKS: list = []
+
+
+def _install_hooks() -> None:
+    if not _HOOKS:
+        _HOOKS.append(register_optimizer_step_pre_hook(_before_step))
+        _HOOKS.append(register_optimizer_step_post_hook(_after_step))
+
+
+def master_weights(opt: torch.optim.Optimizer) -> list[GlobalTensor]:
+    """The master copies ``opt`` updates (empty before its first step or without mixed precision)."""
+    return [m for _, m in _MASTERS.get(opt, ())]
+
+
+def _master_of(p: nn.Parameter) -> nn.Parameter:
+    """``p``'s master copy in the master dtype: split over the ZeRO axis from ZeRO-1 on."""
+    level, axis = getattr(p, "_shoal_zero", (0, None))
+    sbp = zero_layout(p.sbp, p.shape, p.mesh, axis) if level >= 1 else p.sbp
+    with torch.no_grad():
+        m = nn.Parameter(p.detach().to(p._shoal_master_dtype).to_global(p.mesh, sbp))
+    if hasattr(p, "_shoal_zero"):
+        m._shoal_zero = p._shoal_zero
+    return m
+
+
+def _before_step(opt, args, kwargs) -> None:
+    pairs = _MASTERS.get(opt)
+    if pairs is None:  # the first step: the masters take the parameters' places in the optimizer
+        pairs = []
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                if hasattr(p, "_shoal_master_dtype"):
+                    m = _master_of(p)
+                    group["params"][i] = m
+                    pairs.append((p, m))
+        if not pairs:
+            return
+        _MASTERS[opt] = pairs
+        opt.zero_grad = _clearing(opt.zero_grad, pairs)
+    with torch.no_grad():
+        for p, m in pairs:
+            m.grad = None if p.grad is None else p.grad.to(m.dtype).to_global(m.mesh, m.sbp)
+
+
+def _after_step(opt, args, kwargs) -> None:
+    with torch.no_grad():
+        for p, m in _MASTERS.get(opt, ()):
+            p.copy_(m)  # rounded once, gathered where the master is split
+            m.grad = None
+
+
+def _clearing(zero_grad, pairs):
+    """``opt.zero_grad`` that clears the parameters' gradients as well as the masters'."""
+    def clear(set_to_none: bool = True) -> None:
+        zero_grad(set_to_none)
+        for p, _ in pairs:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+    return clear
