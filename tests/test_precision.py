@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shoal
+from shoal.parallel.precision import master_weights
 from test_models import MODELS, batches, fit, initial, mesh_for
 from test_zero import compiled_fit
 
@@ -16,26 +17,37 @@ STEPS = 3
 LR = 1e-3
 
 
-def by_hand(name: str):
-    """Losses and final bf16 parameters of the recipe in plain torch on one device."""
+def recipe_by_hand(name: str, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)):
+    """The recipe in plain torch on one device: the model with bf16 parameters (batch norms' stay
+    fp32), and its step: fp32 masters updated by ``optimizer`` from the bf16 gradients, copied back."""
     model = initial(name)
     for m in model.modules():
-        if not isinstance(m, torch.nn.modules.batchnorm._BatchNorm):  # batch norms stay fp32
+        if not isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             for p in m.parameters(recurse=False):
                 p.data = p.data.to(torch.bfloat16)
     masters = [p.detach().float().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.AdamW(masters, lr=LR)
-    losses = []
-    for x, y in batches(name)[:STEPS]:
-        _, loss = model(x.to(torch.bfloat16) if x.is_floating_point() else x, y)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
+    opt = optimizer(masters)
+
+    def step():
         for p, m in zip(model.parameters(), masters):
             m.grad = p.grad.float()
         opt.step()
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters):
                 p.copy_(m)
+
+    return model, step
+
+
+def by_hand(name: str):
+    """Losses and final bf16 parameters of the recipe by hand."""
+    model, step = recipe_by_hand(name)
+    losses = []
+    for x, y in batches(name)[:STEPS]:
+        _, loss = model(x.to(torch.bfloat16) if x.is_floating_point() else x, y)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        step()
         losses.append(loss.item())
     return losses, [p.detach() for p in model.parameters()]
 
@@ -62,13 +74,17 @@ def test_bf16_trains_like_the_recipe_by_hand(name, zero, compiled):
     check_like_by_hand(name, model, losses)
     states = [v for st in opt.state.values() for v in st.values() if isinstance(v, shoal.GlobalTensor) and v.ndim]
     assert states and all(v.dtype == torch.float32 for v in states)
+    masters = master_weights(opt)  # one for each bf16 parameter; batch norms' fp32 ones are their own
+    assert len(masters) == sum(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(m.dtype == torch.float32 for m in masters) and all(m in opt.state for m in masters)
     if zero:
         assert any(isinstance(s, shoal.Split) for v in states for s in v.sbp)
+        assert any(isinstance(s, shoal.Split) for m in masters if m.ndim == 2 for s in m.sbp)
 
 
 def test_bf16_is_really_used():
-    """Not bit-equal to fp32 training (bf16 computes), yet within 1e-2 of it; 16 bytes a parameter
-    (2 + 2 + 4 master + 8 Adam), 16/4 with ZeRO-3 on 4 devices."""
+    """Not bit-equal to fp32 training (bf16 computes), yet within 1e-2 of it; after a step 14 bytes a
+    parameter (2 + 4 master + 8 Adam: the step took the bf16 gradients), 14/4 with ZeRO-3 on 4 devices."""
     mesh = mesh_for("dp")
     runs = {}
     for precision, zero in ((None, 0), ("bf16", 0), ("bf16", 3)):
@@ -83,18 +99,19 @@ def test_bf16_is_really_used():
     fp32, bf16, z3 = runs[(None, 0)], runs[("bf16", 0)], runs[("bf16", 3)]
     assert fp32[0] != bf16[0]
     torch.testing.assert_close(torch.tensor(bf16[0]), torch.tensor(fp32[0]), rtol=1e-2, atol=0)
-    # (without ZeRO, dispatch may reduce-scatter a data-parallel gradient inside backward: at most 16)
-    assert z3[1] == 4.0 and 14.0 <= bf16[1] <= 16.0
+    assert bf16[1] == 14.0 and z3[1] == 3.5 and "gradients" not in {k for k, v in bf16[2].kinds.items() if v}
     assert "master weights" in bf16[2].kinds and sum(bf16[2].kinds["master weights"].values()) == 4 * 4 * psi
 
 
 def test_zero_grad_clears_the_bf16_gradients():
-    """The optimizer holds the masters; its zero_grad() still clears the gradients backward makes."""
+    """The optimizer holds the masters; its zero_grad() still clears the gradients of a backward that
+    no step took (a step skipped), and a step takes them."""
     mesh = mesh_for("dp")
     model = shoal.distribute_module(initial("gpt"), mesh, dataclasses.replace(MODELS["gpt"][0].plans(mesh, "dp"),
                                                                               precision="bf16"))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     fit(model, opt, batches("gpt")[:1])
+    assert all(p.grad is None for p in model.parameters())
     x, y = batches("gpt")[1]
     model(x, y)[1].backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -104,7 +121,107 @@ def test_zero_grad_clears_the_bf16_gradients():
 
 def test_precision_errors():
     mesh = mesh_for("dp")
-    with pytest.raises(NotImplementedError, match="loss scaling.*bf16"):
+    with pytest.raises(NotImplementedError, match="loss scaling.*bf16.*autocast.*GradScaler"):
         shoal.distribute_module(initial("gpt"), mesh, shoal.Plan(precision="fp16"))
+    with pytest.raises(NotImplementedError, match=r"Precision\(param=torch.float16\).*GradScaler"):
+        shoal.Precision(param=torch.float16)
+    with pytest.raises(ValueError, match="reduce=torch.bfloat16"):
+        shoal.Precision(reduce=torch.bfloat16)
     with pytest.raises(ValueError, match="precision='int8'"):
         shoal.distribute_module(initial("gpt"), mesh, shoal.Plan(precision="int8"))
+
+
+def bf16_gpt(zero: int, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)):
+    mesh = mesh_for("dp")
+    plan = dataclasses.replace(MODELS["gpt"][0].plans(mesh, "dp"), precision="bf16", zero=zero)
+    model = shoal.distribute_module(initial("gpt"), mesh, plan)
+    return model, optimizer(model.parameters())
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_gradient_accumulation_with_zero_grad_first(zero):
+    """Two backward calls add up in the bf16 gradients before a step (zero_grad() at the start of the
+    step, on the optimizer that holds the masters; bound before its first step, when it held the bf16
+    parameters), as in the recipe by hand. SGD: a gradient left over from the step before would show
+    (Adam would hide most of it)."""
+    data = batches("gpt")[:4]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+
+    def accumulate(model, zero_grad, step):
+        losses = []
+        for k in (0, 2):
+            zero_grad()
+            for x, y in data[k:k + 2]:
+                _, loss = model(x, y)
+                loss.backward()
+                losses.append(loss.item())
+            step()
+        return losses
+
+    hand, hand_step = recipe_by_hand("gpt", sgd)
+    want = accumulate(hand, hand.zero_grad, hand_step)
+    model, opt = bf16_gpt(zero, sgd)
+    got = accumulate(model, opt.zero_grad, opt.step)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-2, atol=0)
+    for (n, p), q in zip(model.named_parameters(), hand.parameters()):
+        torch.testing.assert_close(p.detach().full().float(), q.detach().float(), rtol=1e-2, atol=1e-3, msg=n)
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_bf16_checkpoint_resumes(zero, tmp_path):
+    """Model and optimizer saved after 2 steps, loaded (before the first step) into a fresh bf16 model
+    and optimizer: the loaded Adam state becomes the masters' (fp32 again, one entry a parameter) and
+    the other 3 steps go as if never stopped, within bf16's rounding (the masters restart from the
+    bf16 parameters, and the loaded state was rounded to bf16 by torch's load_state_dict)."""
+    data = batches("gpt")
+    model, opt = bf16_gpt(zero)
+    want = fit(model, opt, data)
+    want_state = [dict(st) for st in opt.state.values()]
+    model, opt = bf16_gpt(zero)
+    got = fit(model, opt, data[:2])
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt")
+    model, opt = bf16_gpt(zero)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    got += fit(model, opt, data[2:])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-2, atol=0)
+    assert len(opt.state) == len(want_state) == len(master_weights(opt))
+    for st, ws in zip(opt.state.values(), want_state):
+        assert int(st["step"]) == len(data)
+        for k in ("exp_avg", "exp_avg_sq"):
+            v, w = st[k].full(), ws[k].full()
+            assert v.dtype == torch.float32, k
+            assert (v - w).norm() <= 2e-2 * w.norm(), k
+
+
+@pytest.mark.filterwarnings("ignore:shoal. no SBP rule for aten._amp_foreach_non_finite_check_and_unscale_")
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_fp16_autocast_with_grad_scaler(zero):
+    """float16 the plain torch way on shoal's (fp32) parameters: torch.autocast and torch.amp.GradScaler.
+    An inf loss at step 2 is skipped and halves the scale; SGD (unlike Adam) would show a gradient
+    left scaled. (The scaler's unscale op has no SBP rule yet: it runs replicated.)"""
+
+    def run(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        losses = []
+        for i, (x, y) in enumerate(batches("gpt")[:4]):
+            with torch.autocast("cpu", dtype=torch.float16):
+                _, loss = model(x, y)
+            opt.zero_grad()
+            scaler.scale(loss * (float("inf") if i == 1 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        return losses, scaler.get_scale(), [p.detach() for p in model.parameters()]
+
+    want_losses, want_scale, want_params = run(initial("gpt"))
+    mesh = mesh_for("dp")
+    model = shoal.distribute_module(initial("gpt"), mesh,
+                                    dataclasses.replace(MODELS["gpt"][0].plans(mesh, "dp"), zero=zero))
+    losses, scale, params = run(model)
+    assert scale == want_scale == 2.0**15
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    for p, q in zip(params, want_params):
+        torch.testing.assert_close(p.full(), q, rtol=1e-3, atol=1e-4)

@@ -9,8 +9,11 @@ rounded to bf16 once: every collective adds low-precision partial sums in fp32 (
 The user's optimizer (a plain torch optimizer over ``model.parameters()``) is found at its first
 step and given fp32 master copies instead of the bf16 parameters (split over the ZeRO axis like its
 state); before each step a master's gradient is its parameter's, in fp32; after it the parameter is
-the master rounded to bf16. ``opt.zero_grad()`` clears the bf16 gradients too. "fp16" (which needs
-loss scaling) is not built.
+the master rounded to bf16. A step takes the bf16 gradients (they are None after it, as under
+DeepSpeed), and ``opt.zero_grad()`` clears them too (a backward not followed by a step); optimizer
+state loaded before the first step (resuming) becomes the masters'. float16 parameters (which need loss
+scaling) are refused; fp32 parameters under ``torch.autocast(dtype=torch.float16)`` with
+``torch.amp.GradScaler`` work as in plain torch.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from .memory import zero_layout
 __all__ = ["Precision", "install_precision", "master_weights"]
 
 
-@dataclass(frozen=True)
+# fp16 parameters need dynamic loss scaling, and torch.amp.GradScaler refuses fp16 gradients: it would
+# have to see the masters before the first step, when shoal has not yet found the optimizer
+_NO_FP16 = ("float16 parameters need dynamic loss scaling, which shoal's master weights do not have yet. Use "
+            "precision='bf16' (fp32's range: no scaling needed), or keep fp32 parameters and compute in float16 "
+            "under torch.autocast(device_type, dtype=torch.float16) with torch.amp.GradScaler, as in plain torch")
+
+
+@dataclass(frozen=True, slots=True)
 class Precision:
     """Dtypes of the parameters and compute (``param``), of gradient reduction (``reduce``), and of
     the master weights and optimizer state (``master``)."""
@@ -41,6 +51,8 @@ class Precision:
         if self.reduce != torch.float32:
             raise ValueError(f"Precision(reduce={self.reduce}): shoal reduces low-precision partial sums in float32 "
                              f"only (as one device accumulates them)")
+        if self.param == torch.float16:
+            raise NotImplementedError(f"Precision(param=torch.float16): {_NO_FP16}")
 
     @staticmethod
     def of(x) -> Precision | None:
@@ -49,8 +61,7 @@ class Precision:
         if x == "bf16":
             return Precision()
         if x == "fp16":
-            raise NotImplementedError("Plan(precision='fp16') needs dynamic loss scaling, which shoal does not have "
-                                      "yet; use precision='bf16' (same range as fp32, no scaling needed)")
+            raise NotImplementedError(f"Plan(precision='fp16'): {_NO_FP16}")
         raise ValueError(f"Plan(precision={x!r}): give 'bf16' or a shoal.Precision(param=..., reduce=..., master=...)")
 
 
@@ -127,6 +138,8 @@ def _before_step(opt, args, kwargs) -> None:
                     m = _master_of(p)
                     group["params"][i] = m
                     pairs.append((p, m))
+                    if p in opt.state:  # loaded before the first step (resuming): the master's state now
+                        opt.state[m] = _state_of_master(opt.state.pop(p), m)
         if not pairs:
             return
         _MASTERS[opt] = pairs
@@ -134,6 +147,20 @@ def _before_step(opt, args, kwargs) -> None:
     with torch.no_grad():
         for p, m in pairs:
             m.grad = None if p.grad is None else p.grad.to(m.dtype).to_global(m.mesh, m.sbp)
+            p.grad = None  # taken: a zero_grad bound before the first step (not the wrapper) leaves none behind
+
+
+def _state_of_master(state: dict, m: nn.Parameter) -> dict:
+    """A parameter's optimizer state (``load_state_dict`` cast it to the parameter's dtype) as its
+    master's: floating-point tensors in the master's dtype, those of its shape in its layout."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":  # torch keeps "step" as is
+            v = v.detach().to(m.dtype)
+            if isinstance(v, GlobalTensor) and v.shape == m.shape and v.mesh == m.mesh:
+                v = v.to_global(m.mesh, m.sbp)
+        out[k] = v
+    return out
 
 
 def _after_step(opt, args, kwargs) -> None:
