@@ -137,3 +137,11 @@ def test_the_cli_reads_checkpoint_and_precision():
                                       "--precision", "bf16"])
     cfg = _config(args)
     assert (cfg.plan, tuple(cfg.checkpoint), cfg.precision) == ("zero3", ("blocks.*", "ln_f"), "bf16")
+
+
+def test_checkpoint_patterns_reach_the_plan():
+    """``--checkpoint`` is passed on to the plan, not dropped: a pattern naming no module is its error."""
+    cfg = TrainConfig(model="gpt", devices=4, plan="dp", steps=1, batch=4, save=False, verbose=False, progress=False,
+                      sample=0, model_args={"n_layer": 1, "n_embd": 16, "block_size": 8}, checkpoint=("block.*",))
+    with pytest.raises(ValueError, match=r"checkpoint.*'block\.\*'.*names look like"):
+        train(cfg)

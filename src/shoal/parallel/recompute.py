@@ -45,7 +45,6 @@ def install_checkpointing(module: nn.Module, patterns: Sequence[str]) -> list[st
     for name in chosen:
         m = mods[name]
         m.forward = functools.partial(checkpointed, m, m.forward)
-        m._shoal_checkpointed = True
     return chosen
 
 
