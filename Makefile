@@ -40,4 +40,6 @@ bench-quick: $(STAMP)
 	$(PY) bench/eager_overhead.py --iters 20 --repeats 1
 	$(PY) bench/graph_vs_eager.py --quick --only A,C
 	$(PY) bench/dp_vs_ddp.py --steps 2
+	$(PY) bench/scaling.py --devices 1,2 --layers 2 --steps 1 --repeats 1
+	$(PY) bench/pipeline.py --quick
 
