@@ -64,13 +64,13 @@ def even_stages(n_stages: int, blocks: int = 4) -> dict:
 
 
 def train(mesh, stages, schedule: str, m: int, steps: int = 3, batch: int = 16, plan_params=None, blocks: int = 4,
-          closure: bool = False):
+          closure: bool = False, zero: int = 0):
     """(losses, final parameters) of shoal's pipelined step and of plain torch on one device."""
     torch.manual_seed(0)
     ref = Net(blocks)
     model = copy.deepcopy(ref)
-    shoal.distribute_module(model, mesh, shoal.Plan(params=plan_params or {}, stages=stages))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    shoal.distribute_module(model, mesh, shoal.Plan(params=plan_params or {}, stages=stages, zero=zero))
+    opt = train.last_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
 
     if closure:
@@ -207,6 +207,19 @@ def test_memory_plan_follows_the_schedule():
     assert gp.plan.in_flight == {d: 8 for d in range(4)}
     assert ob.plan.in_flight == {d: 4 - d for d in range(4)}
     assert all(gp.plan.peak_bytes[d] > ob.plan.peak_bytes[d] for d in range(4))
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_inside_pipeline_stages(zero):
+    """ZeRO over each stage's data-parallel axis: the same training, the optimizer state (and from
+    ZeRO-3 the parameters at rest) split over dp on every stage's sub-mesh."""
+    got, want, model, ref, step = train(shoal.Mesh(*PP_DP), even_stages(2), "1f1b", m=4, zero=zero)
+    assert_trained_alike(got, want, model, ref)
+    opt_states = [v for st in train.last_optimizer.state.values() for v in st.values() if v.ndim]
+    assert opt_states and all(isinstance(v.sbp[0], shoal.Split) or v.shape[0] < 2 for v in opt_states)
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    assert all(isinstance(p.sbp[0], shoal.Split) == (zero == 3) for p in weights)
+    assert all(p.mesh.shape == (2,) for p in weights)  # a stage's sub-mesh: dp only
 
 
 # -- the virtual clock ----------------------------------------------------------------------------
