@@ -82,6 +82,20 @@ def test_bf16_trains_like_the_recipe_by_hand(name, zero, compiled):
         assert any(isinstance(s, shoal.Split) for m in masters if m.ndim == 2 for s in m.sbp)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_bf16_zero3_with_checkpointing(name, compiled):
+    """All three memory options at once: recomputing the blocks changes no value. (ResNet's batch
+    norms under all three fail in backward, "mixed dtype (CPU)": a known bug, see the README.)"""
+    mesh = mesh_for("dp")
+    module, _ = MODELS[name]
+    plan = dataclasses.replace(module.plans(mesh, "dp"), zero=3, precision="bf16", checkpoint=["blocks.*"])
+    model = shoal.distribute_module(initial(name), mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = (compiled_fit if compiled else fit)(model, opt, batches(name)[:STEPS])
+    check_like_by_hand(name, model, losses)
+
+
 def test_bf16_is_really_used():
     """Not bit-equal to fp32 training (bf16 computes), yet within 1e-2 of it; after a step 14 bytes a
     parameter (2 + 4 master + 8 Adam: the step took the bf16 gradients), 14/4 with ZeRO-3 on 4 devices."""
