@@ -79,5 +79,10 @@ def normalize_sbp(sbp: SBP | Sequence[SBP], mesh_ndim: int, tensor_ndim: int, wh
     return tuple(out)
 
 
+def reduced(sbp: NdSBP) -> NdSBP:
+    """``sbp`` with every Partial turned into Broadcast: the layout of the value once reduced."""
+    return tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
+
+
 def sbp_str(sbp: NdSBP) -> str:
     return "[" + ", ".join(map(repr, sbp)) + "]"

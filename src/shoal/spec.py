@@ -71,6 +71,11 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 
+    def bytes_per_device(self) -> dict[int, int]:
+        """Device -> bytes of its shard."""
+        item = _itemsize(self.dtype)
+        return {dev: math.prod(self.local_shape(pos)) * item for pos, dev in enumerate(self.mesh.devices)}
+
     def with_sbp(self, sbp: NdSBP) -> TensorSpec:
         return TensorSpec(self.shape, self.dtype, self.mesh, sbp)
 

@@ -14,7 +14,7 @@ import torch
 
 from . import boxing, comm, debug, seam
 from .mesh import Mesh
-from .sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
+from .sbp import SBP, Broadcast, Partial, Split, normalize_sbp, reduced, sbp_str
 from .spec import TensorSpec
 from .world import world
 
@@ -235,7 +235,7 @@ def onto_mesh_of(x: GlobalTensor, like: GlobalTensor) -> GlobalTensor:
 
 def _grad_spec(spec: TensorSpec) -> TensorSpec:
     """The layout a gradient returns in: the input's, with Partial turned into Broadcast."""
-    return spec.with_sbp(tuple(Broadcast() if isinstance(s, Partial) else s for s in spec.sbp))
+    return spec.with_sbp(reduced(spec.sbp))
 
 
 class _Redistribute(torch.autograd.Function):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import seam
-from ..sbp import Broadcast, Partial, Split
+from ..sbp import Broadcast, Partial, Split, reduced
 from ..tensor import GlobalTensor
 from .ir import Graph, local_ids
 
@@ -235,7 +235,7 @@ def tail_fn(params: list, calls: Calls):
     def tail(owners, accs):
         with torch.no_grad():
             for p, acc in zip(params, accs):
-                grad_sbp = tuple(Broadcast() if isinstance(s, Partial) else s for s in acc.sbp)
+                grad_sbp = reduced(acc.sbp)
                 g = acc.to_global(acc.mesh, grad_sbp) if grad_sbp != acc.sbp else acc
                 if calls.zero_first or p.grad is None:
                     p.grad = g

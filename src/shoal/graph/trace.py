@@ -248,14 +248,13 @@ class Tracer(TorchDispatchMode, Execution):
         made = self._metas.get(key)
         if made is None:
             out = func(*args, **kwargs)
-            leaves, spec = tree_flatten(out)
-            made = self._metas[key] = _remake(leaves, spec)
+            self._metas[key] = _remake(*tree_flatten(out))
             return out
         if made is False:
             return func(*args, **kwargs)
-        leaves, spec = made
-        return spec.unflatten([torch.empty_strided(a[0], a[1], dtype=a[2], device="meta") if isinstance(a, tuple) else a
-                             for a in leaves])
+        leaves, out_spec = made
+        return out_spec.unflatten([torch.empty_strided(a[0], a[1], dtype=a[2], device="meta")
+                                   if isinstance(a, tuple) else a for a in leaves])
 
     def _settle(self, lid: int, device) -> None:
         """Device work made without device inputs lives on the device of its first user."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
-from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, sbp_str
+from ..sbp import SBP, Broadcast, Split, normalize_sbp, reduced, sbp_str
 from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .balance import balance, describe, unit_costs
 from .memory import install_zero, memory_per_device, memory_report, shard_optimizer_state, zero_layout
@@ -223,7 +223,7 @@ def _keep_grad_global(p: GlobalTensor) -> None:
     (correct values, but full size on every device and outside shoal): lay it out like ``p`` again."""
     g = p.grad
     if g is not None and not isinstance(g, GlobalTensor):
-        p.grad = to_global(g, p.mesh, tuple(Broadcast() if isinstance(s, Partial) else s for s in p.sbp))
+        p.grad = to_global(g, p.mesh, reduced(p.sbp))
 
 
 def _param(g: GlobalTensor, p: torch.Tensor) -> nn.Parameter:

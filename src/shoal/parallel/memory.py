@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import DoesNotFit
 from ..mesh import Mesh
-from ..sbp import Broadcast, Partial, Split
+from ..sbp import Broadcast, Partial, Split, reduced
 from ..spec import TensorSpec
 from ..tensor import GlobalTensor
 from ..world import world
@@ -92,18 +92,13 @@ def install_zero(module: nn.Module, level: int, axis_name: str | None, units: Se
                          f"3 (+ parameters)")
     module._shoal_zero_level = level
     _DISTRIBUTED.add(module)
-    if level == 0:
-        check_fit(module, level, "distribute_module")
-        _install_optimizer_hook()
-        return
-    for p in module.parameters():
+    for p in module.parameters() if level else ():
         if isinstance(p, GlobalTensor) and p.requires_grad:
             a = dp_axis(p.mesh, axis_name)
             if a is not None and p.mesh.shape[a] > 1:
                 p._shoal_zero = (level, a)
     if level == 3:
         _split_at_rest(module, units)
-    _ZEROED.add(module)
     check_fit(module, level, "distribute_module")
     _install_optimizer_hook()
 
@@ -130,12 +125,8 @@ def _split_at_rest(module: nn.Module, units: Sequence[str]) -> None:
         if id(p) not in split:
             a = p._shoal_zero[1]
             want = zero_layout(p.sbp, p.shape, p.mesh, a)
-            q = nn.Parameter(p.detach().to_global(p.mesh, want), requires_grad=True)
-            q._shoal_zero, q._shoal_full_sbp = p._shoal_zero, p.sbp
-            if hasattr(p, "_shoal_master_dtype"):
-                q._shoal_master_dtype = p._shoal_master_dtype
-            for h in p._post_accumulate_grad_hooks.values() if p._post_accumulate_grad_hooks else ():
-                q.register_post_accumulate_grad_hook(h)
+            q = replacement(p, p.detach().to_global(p.mesh, want))
+            q._shoal_full_sbp = p.sbp
             split[id(p)] = q
         mod._parameters[pname] = split[id(p)]
         gathers[unit].append((mod, pname))
@@ -143,6 +134,18 @@ def _split_at_rest(module: nn.Module, units: Sequence[str]) -> None:
         if entries:
             names[u].register_forward_pre_hook(_gather(entries))
             names[u].register_forward_hook(_release(entries))
+
+
+def replacement(p: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
+    """A parameter holding ``value`` in ``p``'s place: its gradient hooks and shoal's marks on it
+    (ZeRO, stage, master dtype) carried over."""
+    q = nn.Parameter(value, requires_grad=p.requires_grad)
+    for h in (p._post_accumulate_grad_hooks or {}).values():
+        q.register_post_accumulate_grad_hook(h)
+    for k, v in vars(p).items():
+        if k.startswith("_shoal_"):
+            setattr(q, k, v)
+    return q
 
 
 def _gather(entries):
@@ -212,7 +215,6 @@ class _Regather:
         self.rest, self.transposed = rest, transposed
 
 
-_ZEROED: weakref.WeakSet = weakref.WeakSet()  # modules under Plan(zero >= 1)
 _DISTRIBUTED: weakref.WeakSet = weakref.WeakSet()  # modules distribute_module laid out (for the fit check)
 _SPLIT_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 _HOOK = []
@@ -265,13 +267,8 @@ def memory_per_device(*groups) -> dict[int, int]:
         if not isinstance(t, GlobalTensor) or id(t) in seen:
             return
         seen.add(id(t))
-        spec = t.spec
-        item = t.element_size()
-        for pos, dev in enumerate(spec.mesh.devices):
-            n = 1
-            for s in spec.local_shape(pos):
-                n *= s
-            out[dev] = out.get(dev, 0) + n * item
+        for dev, n in t.spec.bytes_per_device().items():
+            out[dev] = out.get(dev, 0) + n
 
     for g in groups:
         if isinstance(g, nn.Module):
@@ -345,15 +342,7 @@ def _state_slots(opt: torch.optim.Optimizer) -> float:
 
 
 def _bytes_on(shape, dtype, mesh: Mesh, sbp) -> dict[int, int]:
-    spec = TensorSpec(tuple(shape), dtype, mesh, tuple(sbp))
-    item = torch.empty((), dtype=dtype).element_size()
-    out = {}
-    for pos, dev in enumerate(mesh.devices):
-        n = 1
-        for s in spec.local_shape(pos):
-            n *= s
-        out[dev] = n * item
-    return out
+    return TensorSpec(tuple(shape), dtype, mesh, tuple(sbp)).bytes_per_device()
 
 
 def state_bytes(module: nn.Module, level: int, slots: float = 2.0) -> dict[int, list[tuple[int, str, str]]]:
@@ -371,8 +360,7 @@ def state_bytes(module: nn.Module, level: int, slots: float = 2.0) -> dict[int, 
         if not isinstance(p, GlobalTensor) or id(p) in seen:
             continue
         seen.add(id(p))
-        full = getattr(p, "_shoal_full_sbp", p.sbp)
-        whole = tuple(Broadcast() if isinstance(s, Partial) else s for s in full)
+        whole = reduced(getattr(p, "_shoal_full_sbp", p.sbp))
         a = getattr(p, "_shoal_zero", (0, dp_axis(p.mesh, None)))[1]
         split = zero_layout(whole, p.shape, p.mesh, a) if p.mesh.shape[a] > 1 else whole
         add(_bytes_on(p.shape, p.dtype, p.mesh, split if level >= 3 else whole), "parameters", name)
@@ -386,8 +374,7 @@ def state_bytes(module: nn.Module, level: int, slots: float = 2.0) -> dict[int, 
     for name, b in module.named_buffers():
         if isinstance(b, GlobalTensor) and id(b) not in seen:
             seen.add(id(b))
-            add(_bytes_on(b.shape, b.dtype, b.mesh, tuple(Broadcast() if isinstance(s, Partial) else s for s in b.sbp)),
-                "buffers", name)
+            add(_bytes_on(b.shape, b.dtype, b.mesh, reduced(b.sbp)), "buffers", name)
     return out
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..tensor import GlobalTensor
-from .memory import zero_layout
+from .memory import replacement, zero_layout
 
 __all__ = ["Precision", "install_precision", "master_weights"]
 
@@ -79,9 +79,7 @@ def install_precision(module: nn.Module, precision) -> None:
             if p is None or not p.is_floating_point() or not isinstance(p, GlobalTensor):
                 continue
             if id(p) not in made:
-                q = nn.Parameter(p.detach().to(prec.param), requires_grad=p.requires_grad)
-                for h in (p._post_accumulate_grad_hooks or {}).values():
-                    q.register_post_accumulate_grad_hook(h)
+                q = replacement(p, p.detach().to(prec.param))
                 q._shoal_master_dtype = prec.master
                 made[id(p)] = q
             mod._parameters[name] = made[id(p)]

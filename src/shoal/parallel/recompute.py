@@ -30,9 +30,10 @@ def install_checkpointing(module: nn.Module, patterns: Sequence[str]) -> list[st
         patterns = [patterns]
     if not patterns:
         return []
+    mods = dict(module.named_modules())
     used: set = set()
     chosen: list[str] = []
-    for name, _ in module.named_modules():
+    for name in mods:
         hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
         used.update(hits)
         if hits and not any(name.startswith(c + ".") or not c for c in chosen):
@@ -40,8 +41,7 @@ def install_checkpointing(module: nn.Module, patterns: Sequence[str]) -> list[st
     unused = [p for p in patterns if p not in used]
     if unused:
         raise ValueError(f"Plan(checkpoint=...): pattern(s) {unused} match no submodule of {type(module).__name__}; "
-                         f"names look like {[n for n, _ in module.named_modules()][1:6]}")
-    mods = dict(module.named_modules())
+                         f"names look like {list(mods)[1:6]}")
     for name in chosen:
         m = mods[name]
         m.forward = functools.partial(checkpointed, m, m.forward)
