@@ -172,6 +172,9 @@ def _onto_smallest_mesh(func, args: tuple, kwargs: dict, tensors) -> tuple[tuple
     gts = [t for t in tensors if type(t) is _GT]
     sub = min((t._spec.mesh for t in gts), key=lambda m: m.size)
     pinned = _pinned(func, args, kwargs)
+    big = next((t._spec.mesh for t in gts if id(t) in pinned and t._spec.mesh != sub), None)
+    if big is not None and not torch.is_grad_enabled():
+        return _onto_written_mesh(func, args, kwargs, gts, big)
     moved = {}
     for t in gts:
         spec = t._spec
@@ -193,6 +196,26 @@ def _onto_smallest_mesh(func, args: tuple, kwargs: dict, tensors) -> tuple[tuple
                 f"Move the other inputs with x.to_global({spec.mesh}, sbp) first.")
         kept = tuple(s for a, s in enumerate(spec.sbp) if a not in fixed)
         dst = TensorSpec(spec.shape, spec.dtype, sub, kept or (Broadcast(),) * sub.ndim)  # one device: any layout
+        moved[id(t)] = GlobalTensor._make(dst, boxing.box(t._shards, spec, dst), t.stride())
+    return tree_map_only(_GT, lambda t: moved.get(id(t), t), (args, kwargs))
+
+
+def _onto_written_mesh(func, args: tuple, kwargs: dict, gts, mesh: Mesh) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every GlobalTensor on ``mesh``, the mesh of a tensor the op writes, under
+    no_grad (clipping scales the gradient of a parameter tied across pipeline stages, on the union of
+    their sub-meshes, by a norm on one stage's): a tensor on a sub-mesh of ``mesh`` is sent to the
+    devices of the fixed axes (Broadcast there, its layout on the others)."""
+    moved = {}
+    for t in gts:
+        spec = t._spec
+        if spec.mesh == mesh:
+            continue
+        fixed = spec.mesh.fixed_in(mesh)
+        if fixed is None:
+            raise ValueError(_meshes_error(func, gts, mesh, spec, fixed))
+        kept = iter(spec.sbp if len(fixed) < mesh.ndim else ())
+        sbp = tuple(Broadcast() if a in fixed else next(kept) for a in range(mesh.ndim))
+        dst = TensorSpec(spec.shape, spec.dtype, mesh, sbp)
         moved[id(t)] = GlobalTensor._make(dst, boxing.box(t._shards, spec, dst), t.stride())
     return tree_map_only(_GT, lambda t: moved.get(id(t), t), (args, kwargs))
 

@@ -192,7 +192,7 @@ class CompiledStep:
         stages = pipeline.stages_of(objs)
         params = pipeline.trainable(objs)
         axes = pipeline.data_axes(objs, None if stages is None else stages.axis)
-        accs = pipeline.accumulators(params, axes)
+        accs = pipeline.accumulators(params, axes, None if stages is None else stages.axis)
         saved = [p.grad for p in params]
         pieces = pipeline.cut(args, kwargs, m)
         key = ("body", self.schedule, m)

@@ -211,14 +211,15 @@ def data_axes(args_objs: list, stage_axis: str | None) -> set:
     return out
 
 
-def accumulators(params: list, axes: set) -> list:
+def accumulators(params: list, axes: set, stage_axis: str | None = None) -> list:
     """Zero gradient accumulators, one per parameter, laid out as its gradient comes out of backward:
-    Partial(sum) over the data axes where the parameter is Broadcast, as the parameter elsewhere."""
+    Partial(sum) over the data axes where the parameter is Broadcast, and over the stage axis where a
+    parameter tied across stages spans it; as the parameter elsewhere."""
     out = []
     for p in params:
         spec = p._spec
-        sbp = tuple(Partial("sum") if isinstance(s, Broadcast) and name in axes else s
-                    for name, s in zip(spec.mesh.axes, spec.sbp))
+        sbp = tuple(Partial("sum") if isinstance(s, Broadcast) and (name in axes or name == stage_axis and n > 1) else s
+                    for name, s, n in zip(spec.mesh.axes, spec.sbp, spec.mesh.shape))
         acc_spec = spec.with_sbp(sbp)
         shards = tuple(None if s is None else torch.zeros(acc_spec.local_shape(pos), dtype=s.dtype, device=s.device)
                        for pos, s in enumerate(p._shards))
@@ -279,10 +280,13 @@ def tag(g: Graph, stages) -> None:
     of: dict[int, int] = {}
     for s in g.slots:
         st = _slot_stage(s)
-        if st is not None:
-            for lid in local_ids(s.before):
-                if lid is not None:
-                    of[lid] = st
+        for lid in local_ids(s.before) if st is not None else ():
+            if lid is not None and isinstance(st, tuple):  # tied: on each device its stage there, if only one
+                here = [x for x in st if x in held.get(g.locals[lid].device, ())]
+                if len(here) == 1:
+                    of[lid] = here[0]
+            elif lid is not None:
+                of[lid] = st
     for op in g.ops:
         known = [of[lid] for lid in (*op.reads, *op.writes) if lid in of]
         fwd = op.phase == "F"

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..boxing import box
 from ..mesh import Mesh
-from ..sbp import SBP, Broadcast, Split, normalize_sbp, reduced, sbp_str
+from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, reduced, sbp_str
+from ..spec import TensorSpec
 from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .balance import balance, describe, unit_costs
 from .memory import install_zero, memory_per_device, memory_report, shard_optimizer_state, zero_layout
@@ -71,6 +73,8 @@ def distribute_module(
     elif not isinstance(plan, Plan):
         plan = Plan(params=dict(plan))
     staged = pipeline_stages(module, mesh, plan) if plan.stages is not None else None
+    if staged is not None:
+        staged.find_tied(module)
     used = set()
     done: dict = {}  # id of a tensor laid out already -> (its GlobalTensor, sbp, name): tied ones stay tied
     for mod_name, mod in module.named_modules():
@@ -78,10 +82,11 @@ def distribute_module(
         rep = (Broadcast(),) * where.ndim
         for pname, p in list(mod.named_parameters(recurse=False)):
             full = f"{mod_name}.{pname}" if mod_name else pname
-            param = _laid_out(p, full, plan, used, where, rep, done, _param)
+            widen = None if staged is None else staged.widening(p)
+            param = _laid_out(p, full, plan, used, where, rep, done, _param, widen)
             setattr(mod, pname, param)
             if staged is not None:
-                staged.own(param, mod_name, full)
+                staged.own(param, mod_name)
         for bname, b in list(mod.named_buffers(recurse=False)):
             if b is None:
                 continue
@@ -124,29 +129,57 @@ class Stages:
                 f"{self.p} stages (stage i runs on {axis}=i % {self.p}; more than {self.p} are virtual stages)")
         self.v = self.count // self.p
         self.meshes = [_stage_mesh(mesh, axis, i) for i in range(self.p)]
-        self._owner: dict[int, str] = {}  # id(parameter) -> the first name it was laid out under
+        self._spans: dict[int, Mesh] = {}  # id(tensor held on several stages' sub-meshes) -> their union
 
     def mesh_of(self, module_name: str) -> Mesh:
         return self.meshes[self.of[module_name] % self.p]
 
-    def own(self, param, module_name: str, name: str) -> None:
-        """Record ``param``'s stage (``param._shoal_stage``); a parameter tied across stages is refused."""
-        stage = self.of[module_name]
-        first = self._owner.setdefault(id(param), name)
-        if getattr(param, "_shoal_stage", stage) != stage:
-            raise ValueError(f"Plan.stages: {name!r} is the same parameter as {first!r} (tied) but on stage {stage}, "
-                             f"not {param._shoal_stage}; put both modules on one stage")
-        param._shoal_stage = stage
+    def find_tied(self, module: nn.Module) -> None:
+        """Note the parameters held by modules of stages on different sub-meshes (tied weights: an
+        embedding and an output head): each is laid out on the union of those sub-meshes."""
+        held: dict[int, set] = {}
+        for name, mod in module.named_modules():
+            for p in mod._parameters.values():
+                if p is not None:
+                    held.setdefault(id(p), set()).add(self.of[name] % self.p)
+        for pid, ranks in held.items():
+            if len(ranks) > 1:
+                self._spans[pid] = _union_mesh(self.mesh, self.axis, sorted(ranks))
+
+    def widening(self, t: torch.Tensor):
+        """For a tied parameter: a function from its layout on a stage's sub-mesh (the plan's) to
+        (the union mesh, the layout there: Broadcast over the stage axis); else None."""
+        union = self._spans.get(id(t))
+        if union is None:
+            return None
+        a = union.axis_index(self.axis)
+        if self.mesh.ndim == 1:
+            return lambda sbp: (union, (Broadcast(),))
+        return lambda sbp: (union, sbp[:a] + (Broadcast(),) + sbp[a:])
+
+    def own(self, param, module_name: str) -> None:
+        """Record ``param``'s stage (``param._shoal_stage``); a parameter held by several stages (tied) has
+        the tuple of them."""
+        held = getattr(param, "_shoal_stage", ())
+        stages = {*(held if isinstance(held, tuple) else (held,)), self.of[module_name]}
+        param._shoal_stage = stages.pop() if len(stages) == 1 else tuple(sorted(stages))
 
     def install(self, module: nn.Module) -> None:
         """Each submodule that starts a stage moves its GlobalTensor inputs onto its stage's sub-mesh
         (the module itself does not: what it computes outside its submodules runs where its inputs
-        are, the whole mesh's moving onto a stage's as dispatch meets them)."""
+        are, the whole mesh's moving onto a stage's as dispatch meets them). A module holding a tied
+        parameter sees it restricted onto its stage's sub-mesh during its forward (``_TiedUse``)."""
         mods = dict(module.named_modules())
         for name, stage in self.of.items():
+            sub = self.meshes[stage % self.p]
             if name and (self.of.get(name.rpartition(".")[0]) != stage or "." not in name):
-                mods[name].register_forward_pre_hook(_onto_stage(self.meshes[stage % self.p], self.axis),
-                                                     with_kwargs=True)
+                mods[name].register_forward_pre_hook(_onto_stage(sub, self.axis), with_kwargs=True)
+            tied = [k for k, p in mods[name]._parameters.items()
+                    if isinstance(p, GlobalTensor) and p.mesh not in self.meshes]  # on a union of sub-meshes
+            if tied:
+                use, done = _tied_hooks(tied, sub, self.axis)
+                mods[name].register_forward_pre_hook(use)
+                mods[name].register_forward_hook(done)
         module._shoal_stages = self
 
     def __repr__(self) -> str:
@@ -161,6 +194,63 @@ def _stage_mesh(mesh: Mesh, axis: str, i: int) -> Mesh:
     if mesh.ndim == 1:
         return Mesh([mesh.devices[i]], axes=(axis,))
     return mesh.submesh(**{axis: i})
+
+
+def _union_mesh(mesh: Mesh, axis: str, ranks: list[int]) -> Mesh:
+    """The sub-meshes ``ranks`` of ``axis`` together: ``mesh`` with that axis cut to those coordinates."""
+    a = mesh.axis_index(axis)
+    devs = [d for d, c in zip(mesh.devices, mesh.coords) if c[a] in ranks]
+    shape = mesh.shape[:a] + (len(ranks),) + mesh.shape[a + 1:]
+    return Mesh(torch.tensor(devs).reshape(shape).tolist(), axes=mesh.axes)
+
+
+def _tied_hooks(names: list[str], sub: Mesh, axis: str):
+    """Forward hooks putting a module's tied parameters ``names`` in its ``_parameters`` restricted
+    onto its stage's sub-mesh ``sub`` for its forward, and back after it."""
+    saved: list = []
+
+    def use(mod, args):
+        saved.append({k: mod._parameters[k] for k in names})
+        for k, p in saved[-1].items():
+            mod._parameters[k] = _TiedUse.apply(p, sub, axis)
+
+    def done(mod, args, out):
+        mod._parameters.update(saved.pop())
+
+    return use, done
+
+
+class _TiedUse(torch.autograd.Function):
+    """A tied parameter (on the union of its stages' sub-meshes, Broadcast over the stage axis) as one
+    stage uses it: its own shards on that stage's sub-mesh, no data moved. The gradient goes back as a
+    partial sum over the stage axis (this stage's gradient there, zeros on the other stages), so the
+    stages' gradients add up with no transfer per micro-batch and are summed across stages once, where
+    data-parallel gradients are reduced."""
+
+    @staticmethod
+    def forward(ctx, p: GlobalTensor, sub: Mesh, axis: str) -> GlobalTensor:
+        a = p.mesh.axis_index(axis)
+        ctx.union, ctx.sub, ctx.axis, ctx.shards = p._spec, sub, a, p._shards
+        sbp = (Broadcast(),) if p.mesh.ndim == 1 else p.sbp[:a] + p.sbp[a + 1:]
+        dst = TensorSpec(p.shape, p.dtype, sub, sbp)
+        return GlobalTensor._make(dst, box(p._shards, p._spec, dst), p.stride())
+
+    @staticmethod
+    def backward(ctx, g: GlobalTensor):
+        union, sub, a = ctx.union, ctx.sub, ctx.axis
+        if not isinstance(g, GlobalTensor):
+            g = to_global(g, sub, (Broadcast(),) * sub.ndim)
+        sbp = (Partial("sum"),) if union.mesh.ndim == 1 else g.sbp[:a] + (Partial("sum"),) + g.sbp[a:]
+        spec = TensorSpec(union.shape, g.dtype, union.mesh, sbp)
+        at = {d: q for q, d in enumerate(sub.devices)}
+
+        def shard(pos, d, ref):  # zeros made from the parameter's shard: on its device, traced or not
+            if d in at:
+                return g._shards[at[d]]
+            return None if ref is None else ref.new_zeros(spec.local_shape(pos), dtype=g.dtype)
+
+        shards = tuple(shard(pos, d, ref) for pos, (d, ref) in enumerate(zip(union.mesh.devices, ctx.shards)))
+        return GlobalTensor._make(spec, shards, g.stride()), None, None
 
 
 def pipeline_stages(module: nn.Module, mesh: Mesh, plan: Plan) -> Stages:
@@ -233,10 +323,11 @@ def _param(g: GlobalTensor, p: torch.Tensor) -> nn.Parameter:
     return param
 
 
-def _laid_out(t: torch.Tensor, name: str, plan: Plan, used: set, mesh: Mesh, rep, done: dict, wrap):
+def _laid_out(t: torch.Tensor, name: str, plan: Plan, used: set, mesh: Mesh, rep, done: dict, wrap, widen=None):
     """``t`` laid out per the plan's layout for ``name``, made by ``wrap(global_tensor, t)``; a
     tensor met again under another name (tied weights) is the one made the first time, in its
-    layout, unless the plan names a different layout for it."""
+    layout, unless the plan names a different layout for it. ``widen``: layout on ``mesh`` ->
+    (mesh, layout) it is laid out on instead (a parameter tied across pipeline stages)."""
     layout = _pick(name, plan.params, used, None)
     sbp = _fit(rep if layout is None else layout, mesh, t, name)
     if id(t) in done:
@@ -248,6 +339,8 @@ def _laid_out(t: torch.Tensor, name: str, plan: Plan, used: set, mesh: Mesh, rep
             )
         return g
     value = t.detach()
+    if widen is not None:
+        mesh, sbp = widen(sbp)
     g = wrap(value.to_global(mesh, sbp) if isinstance(value, GlobalTensor) else to_global(value, mesh, sbp), t)
     done[id(t)] = (g, sbp, name)
     return g
