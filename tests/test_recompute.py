@@ -96,3 +96,18 @@ def test_a_pattern_matching_nothing_is_an_error():
     mesh = mesh_for("dp")
     with pytest.raises(ValueError, match=r"checkpoint.*'block\.\*'.*match no submodule"):
         shoal.distribute_module(initial("gpt"), mesh, shoal.Plan(checkpoint=["block.*"]))
+
+
+def test_the_recomputation_sees_the_gathered_parameters():
+    """ZeRO-3: the recomputation runs outside the units' forward hooks, yet each batch norm's weight is
+    gathered (whole) in the first forward and in its recomputation, and split at rest again after both."""
+    mesh = mesh_for("dp")
+    plan = dataclasses.replace(MODELS["resnet"][0].plans(mesh, "dp"), zero=3, checkpoint=CHECKPOINTED["resnet"])
+    model = shoal.distribute_module(initial("resnet"), mesh, plan)
+    bn = model.stages[1][0].bn1
+    seen = []
+    bn.register_forward_pre_hook(lambda m, args: seen.append(m.weight.sbp))
+    x, y = batches("resnet")[0]
+    model(x, y)[1].backward()
+    assert seen == [(shoal.B,), (shoal.B,)]
+    assert bn.weight.sbp == (shoal.S(0),)

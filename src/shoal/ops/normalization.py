@@ -192,7 +192,9 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, momentum, eps):
         unbiased = aten.mul.Tensor(aten.view.default(var, [c]), n / (n - 1) if n > 1 else math.inf)
         new = aten.add.Tensor(aten.mul.Tensor(unbiased, momentum), aten.mul.Tensor(running_var, 1 - momentum))
         aten.copy_.default(running_var, new)
-    return cast(out, x.dtype), cast(save_mean, x.dtype), cast(save_rstd, x.dtype)
+    # ATen saves the statistics in the parameters' dtype (fp32 for a bf16 input with fp32 parameters)
+    stats = next((t.dtype for t in (weight, bias, running_mean, running_var) if t is not None), x.dtype)
+    return cast(out, x.dtype), cast(save_mean, stats), cast(save_rstd, stats)
 
 
 def batch_norm_eval(x, weight, bias, running_mean, running_var, eps):

@@ -11,6 +11,7 @@ step (a global optimizer hook) and its state split from then on.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import weakref
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from ..tensor import GlobalTensor
 from ..world import world
 
 __all__ = ["zero_layout", "shard_optimizer_state", "install_zero", "memory_per_device", "memory_report",
-           "MemoryReport", "state_bytes", "check_fit", "byte_size"]
+           "MemoryReport", "state_bytes", "check_fit", "byte_size", "gathered"]
 
 
 def zero_layout(spec_sbp: tuple, shape: Sequence[int], mesh: Mesh, axis: int) -> tuple:
@@ -152,14 +153,7 @@ def _gather(entries):
     """Before a unit's forward: its parameters gathered to their full layouts, and what autograd
     saves of them for backward not kept but gathered again when backward needs it."""
     def hook(mod, args):
-        for m, name in entries:
-            p = m._parameters[name]
-            if hasattr(p, "_shoal_rest"):  # the unit called again inside its own forward
-                continue
-            full = p.to_global(p.mesh, p._shoal_full_sbp)
-            full._shoal_rest = p
-            m._parameters[name] = full
-            _GATHERED[_storage(full)] = full
+        _swap_in(entries)
         saving = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         saving.__enter__()
         mod._shoal_saving = [*getattr(mod, "_shoal_saving", []), saving]
@@ -170,12 +164,46 @@ def _release(entries):
     """After a unit's forward: its parameters split at rest again (the gathered ones are freed)."""
     def hook(mod, args, out):
         mod._shoal_saving.pop().__exit__(None, None, None)
-        for m, name in entries:
-            full = m._parameters[name]
-            if hasattr(full, "_shoal_rest"):
-                _GATHERED.pop(_storage(full), None)
-                m._parameters[name] = full._shoal_rest
+        _swap_out(entries)
     return hook
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """ZeRO-3: ``module``'s parameters at rest gathered while inside, as its unit's forward hooks
+    gather them, for a forward run outside those hooks: a checkpointed module's recomputation in
+    backward, which must see the layouts (and so run the ops) the first forward did."""
+    done = _swap_in([(m, n) for m in module.modules() for n, p in m._parameters.items()
+                     if hasattr(p, "_shoal_full_sbp")])
+    try:
+        yield
+    finally:
+        _swap_out(done)
+
+
+def _swap_in(entries) -> list:
+    """Each ``(module, name)``'s parameter at rest replaced by it gathered (differentiably); returns
+    the entries it gathered (one gathered already, by a unit called inside its own forward, stays)."""
+    done = []
+    for m, name in entries:
+        p = m._parameters[name]
+        if hasattr(p, "_shoal_rest"):
+            continue
+        full = p.to_global(p.mesh, p._shoal_full_sbp)
+        full._shoal_rest = p
+        m._parameters[name] = full
+        _GATHERED[_storage(full)] = full
+        done.append((m, name))
+    return done
+
+
+def _swap_out(entries) -> None:
+    """Each ``(module, name)``'s gathered parameter replaced by the one at rest again."""
+    for m, name in entries:
+        full = m._parameters[name]
+        if hasattr(full, "_shoal_rest"):
+            _GATHERED.pop(_storage(full), None)
+            m._parameters[name] = full._shoal_rest
 
 
 _GATHERED: dict = {}  # storage of a gathered parameter's first local shard -> the gathered parameter

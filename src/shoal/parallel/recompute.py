@@ -6,8 +6,10 @@ forward again when backward needs what it made, restoring torch's random state f
 draws the same masks (shoal draws every random tensor whole with torch's generator; in graph mode
 the tracer records the generator's state changes as host work, in order with the draws). A batch
 norm in training recomputes with its batch's statistics, and its running ones are put back after
-(updated once, as without checkpointing). In graph mode the recomputation is traced into the
-backward, and the planned peak shows what it saves.
+(updated once, as without checkpointing). Under ZeRO-3 the recomputation gathers the module's
+parameters as its unit's forward hooks did (it runs outside them), so it sees the layouts the first
+forward saw. In graph mode the recomputation is traced into the backward, and the planned peak
+shows what it saves.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 
 import torch.utils.checkpoint
 from torch import nn
+
+from .memory import gathered
 
 __all__ = ["install_checkpointing", "checkpointed"]
 
@@ -55,7 +59,15 @@ def checkpointed(module: nn.Module, forward, *args, **kwargs):
         return forward(*args, **kwargs)
     return torch.utils.checkpoint.checkpoint(
         forward, *args, use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _statistics_kept(module)), **kwargs)
+        context_fn=lambda: (contextlib.nullcontext(), _recomputing(module)), **kwargs)
+
+
+@contextlib.contextmanager
+def _recomputing(module: nn.Module):
+    """Around the recomputation in backward: the module's ZeRO-3 parameters gathered, its batch
+    norms' statistics kept."""
+    with gathered(module), _statistics_kept(module):
+        yield
 
 
 @contextlib.contextmanager
