@@ -18,7 +18,7 @@ CHECKPOINTED = {"gpt": ["blocks.*"], "bert": ["blocks.*"], "resnet": ["stages.*"
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("kind", ["dp", "zero3"])
+@pytest.mark.parametrize("kind", ["dp", "zero2", "zero3"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_checkpointed_models_train_like_one_device(name, kind, compiled):
     ref_losses, ref_state = reference(name, "adamw")

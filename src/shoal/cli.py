@@ -91,8 +91,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint", action="append", default=[], metavar="PATTERN",
                    help="recompute the activations of the modules matching PATTERN in backward (e.g. 'blocks.*'; "
                         "repeat for more)")
-    t.add_argument("--precision", default=None, choices=("bf16",),
-                   help="bf16 parameters and compute, fp32 master weights and optimizer state (default: fp32)")
+    t.add_argument("--precision", default=None, choices=("bf16", "fp16"),
+                   help="bf16 or fp16 parameters and compute, fp32 master weights and optimizer state; fp16 scales "
+                        "the loss dynamically (default: fp32)")
     sub.add_parser(
         "run",
         help="run a script on P processes (torchrun): shoal run -n P [--devices-per-process K] script.py ...",

@@ -76,7 +76,7 @@ class TrainConfig:
     micro_batches: int = 1  # > 1: a compiled pipelined step over that many micro-batches (pp plans need it)
     schedule: str = "1f1b"  # the pipeline schedule: gpipe | 1f1b | interleaved | zb
     checkpoint: tuple = ()  # module name patterns whose activations are recomputed in backward
-    precision: str | None = None  # None (fp32) | "bf16": bf16 parameters, fp32 master weights and state
+    precision: str | None = None  # None (fp32) | "bf16" | "fp16": low-precision parameters, fp32 masters and state
 
 
 @dataclass
@@ -378,7 +378,8 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
         if plan.checkpoint:
             print(f"  activations of {', '.join(plan.checkpoint)} recomputed in backward")
         if plan.precision:
-            print(f"  {plan.precision} parameters and compute, fp32 master weights and optimizer state")
+            print(f"  {plan.precision} parameters and compute, fp32 master weights and optimizer state"
+                  + (", dynamic loss scaling" if plan.precision == "fp16" else ""))
 
 
 def _sbp(layout) -> str:

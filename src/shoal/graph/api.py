@@ -13,6 +13,7 @@ from .. import aliasing
 from ..dispatch.execute import _region
 from ..errors import DoesNotFit
 from ..parallel.memory import byte_size
+from ..parallel.precision import keeping_host_state, skipped_step
 from ..tensor import GlobalTensor
 from ..world import world
 from . import pipeline
@@ -167,9 +168,10 @@ class CompiledStep:
         fn = fn or self.fn
         args, kwargs = pieces[0]
         objs = leaves(args, kwargs, fn, pipe is None)
-        if fn not in self._warm and _creates_optimizer_state(objs):
+        if _creates_optimizer_state(objs) and (fn not in self._warm or _skipped(objs)):
             # an optimizer's first step creates its state: run it eagerly, once, and trace the step
-            # the next call, with the state in place (one trace instead of one per state structure)
+            # the next call, with the state in place (one trace instead of one per state structure);
+            # again while float16's loss scaling skips that step (a traced step cannot skip creating state)
             self._warm.add(fn)
             return [fn(*args, **kwargs)], None
         key, places = guard_key(objs)
@@ -181,8 +183,9 @@ class CompiledStep:
         static = _bind(g, plan, objs, places)
         per_piece = ([_bind_inputs(g, plan, leaves(*p, fn, pipe is None), k) for k, p in enumerate(pieces)]
                      if len(pieces) > 1 else None)
-        results, final = rt.run(static, len(pieces), per_piece)
-        _write_state(g, static, final)
+        with keeping_host_state(o for _, o in objs if isinstance(o, torch.optim.Optimizer)):
+            results, final = rt.run(static, len(pieces), per_piece)
+            _write_state(g, static, final)
         return [_build(g.outputs, r, static) for r in results], entry
 
     def _pipelined(self, args, kwargs):
@@ -259,6 +262,10 @@ def _creates_optimizer_state(objs) -> bool:
                 if any(p.requires_grad and not o.state.get(p) for p in grp["params"]):
                     return True
     return False
+
+
+def _skipped(objs) -> bool:
+    return any(skipped_step(o) for _, o in objs if isinstance(o, torch.optim.Optimizer))
 
 
 def _reducers(objs) -> list:

@@ -22,12 +22,12 @@ from ..spec import TensorSpec
 from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .balance import balance, describe, unit_costs
 from .memory import install_zero, memory_per_device, memory_report, shard_optimizer_state, zero_layout
-from .precision import Precision, install_precision
+from .precision import Precision, install_precision, loss_scale
 from .recompute import install_checkpointing
 from .reducer import GradReducer
 
 __all__ = ["Plan", "Stages", "pipeline_stages", "balance", "distribute_module", "shard_optimizer_state",
-           "memory_per_device", "memory_report", "zero_layout", "data_parallel", "Precision"]
+           "memory_per_device", "memory_report", "zero_layout", "data_parallel", "Precision", "loss_scale"]
 
 Layout = SBP | Sequence[SBP]
 
@@ -96,7 +96,7 @@ def distribute_module(
         staged.install(module)
     if plan.dp_axis is not None and plan.dp_axis not in mesh.axes:
         raise ValueError(f"Plan(dp_axis={plan.dp_axis!r}): the mesh has axes {mesh.axes}")
-    install_precision(module, plan.precision)
+    install_precision(module, mesh, plan.precision)
     install_zero(module, plan.zero, plan.dp_axis, plan.zero_unit)
     install_checkpointing(module, plan.checkpoint)
     if reduce_gradients:

@@ -11,48 +11,68 @@ step and given fp32 master copies instead of the bf16 parameters (split over the
 state); before each step a master's gradient is its parameter's, in fp32; after it the parameter is
 the master rounded to bf16. A step takes the bf16 gradients (they are None after it, as under
 DeepSpeed), and ``opt.zero_grad()`` clears them too (a backward not followed by a step); optimizer
-state loaded before the first step (resuming) becomes the masters'. float16 parameters (which need loss
-scaling) are refused; fp32 parameters under ``torch.autocast(dtype=torch.float16)`` with
+state loaded before the first step (resuming) becomes the masters'.
+
+float16 (``precision="fp16"``) adds dynamic loss scaling, as ``torch.amp.GradScaler`` does it: the
+gradient flowing into each of the module's outputs is multiplied by the loss scale (the same as
+scaling the loss: the outputs are fresh aliases, so a loss computed inside the module and the logits
+it came from are each scaled once), so small gradients survive backward in float16; before the step
+the masters take the gradients unscaled in fp32, and if any is inf or nan anywhere the step is
+skipped (masters and optimizer state unchanged) and the scale halves; after ``growth_interval``
+clean steps it doubles. Eager steps skip by giving the optimizer no gradients; a compiled step,
+which cannot branch on a value, runs the update and keeps the old values where it overflowed. Until
+the step, ``p.grad`` holds the scaled gradient (as GradScaler's before ``unscale_``: clipping inside
+the step clips the scaled norm). Every parameter the optimizer steps is unscaled and checked, batch
+norms' fp32 ones too. The scale, its count of clean steps and whether the last step overflowed are
+buffers of the module (``_shoal_loss_scale``, ``_shoal_clean_steps``, ``_shoal_overflowed``: not in
+its ``state_dict``); ``loss_scale(module)`` reads the scale. fp32 parameters under ``torch.autocast`` with
 ``torch.amp.GradScaler`` work as in plain torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_map
 
-from ..tensor import GlobalTensor
+from .. import seam
+from ..sbp import Broadcast
+from ..tensor import GlobalTensor, to_global
 from .memory import replacement, zero_layout
 
-__all__ = ["Precision", "install_precision", "master_weights"]
-
-
-# fp16 parameters need dynamic loss scaling, and torch.amp.GradScaler refuses fp16 gradients: it would
-# have to see the masters before the first step, when shoal has not yet found the optimizer
-_NO_FP16 = ("float16 parameters need dynamic loss scaling, which shoal's master weights do not have yet. Use "
-            "precision='bf16' (fp32's range: no scaling needed), or keep fp32 parameters and compute in float16 "
-            "under torch.autocast(device_type, dtype=torch.float16) with torch.amp.GradScaler, as in plain torch")
+__all__ = ["Precision", "install_precision", "loss_scale", "keeping_host_state", "master_weights",
+           "skipped_step"]
 
 
 @dataclass(frozen=True, slots=True)
 class Precision:
     """Dtypes of the parameters and compute (``param``), of gradient reduction (``reduce``), and of
-    the master weights and optimizer state (``master``)."""
+    the master weights and optimizer state (``master``). float16 parameters scale the loss,
+    starting at ``init_scale`` (2^15: the gradient of a float16 loss, 1, times 2^16 is past float16's
+    largest value) and doubling after ``growth_interval`` steps without overflow."""
 
     param: torch.dtype = torch.bfloat16
     reduce: torch.dtype = torch.float32
     master: torch.dtype = torch.float32
+    init_scale: float = 2.0**15
+    growth_interval: int = 2000
 
     def __post_init__(self) -> None:
         if self.reduce != torch.float32:
             raise ValueError(f"Precision(reduce={self.reduce}): shoal reduces low-precision partial sums in float32 "
                              f"only (as one device accumulates them)")
-        if self.param == torch.float16:
-            raise NotImplementedError(f"Precision(param=torch.float16): {_NO_FP16}")
+        if self.param not in (torch.bfloat16, torch.float16) or self.master != torch.float32:
+            raise ValueError(f"Precision(param={self.param}, master={self.master}): give param=torch.bfloat16 "
+                             f"or torch.float16 and master=torch.float32")
+
+    @property
+    def scaled(self) -> bool:
+        return self.param == torch.float16
 
     @staticmethod
     def of(x) -> Precision | None:
@@ -61,16 +81,17 @@ class Precision:
         if x == "bf16":
             return Precision()
         if x == "fp16":
-            raise NotImplementedError(f"Plan(precision='fp16'): {_NO_FP16}")
-        raise ValueError(f"Plan(precision={x!r}): give 'bf16' or a shoal.Precision(param=..., reduce=..., master=...)")
+            return Precision(param=torch.float16)
+        raise ValueError(f"Plan(precision={x!r}): give 'bf16', 'fp16' or a shoal.Precision(param=..., ...)")
 
 
-def install_precision(module: nn.Module, precision) -> None:
+def install_precision(module: nn.Module, mesh, precision) -> None:
     """Hold ``module``'s floating-point parameters in ``precision.param``, mark them for master
-    weights."""
+    weights; under float16, scale the gradients of its outputs by a loss scale held on ``mesh``."""
     prec = Precision.of(precision)
     if prec is None:
         return
+    scaler = _LossScale(module, mesh, prec) if prec.scaled else None
     made: dict[int, nn.Parameter] = {}  # tied parameters stay tied
     for mod in module.modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
@@ -81,9 +102,12 @@ def install_precision(module: nn.Module, precision) -> None:
             if id(p) not in made:
                 q = replacement(p, p.detach().to(prec.param))
                 q._shoal_master_dtype = prec.master
+                q._shoal_scaler = scaler
                 made[id(p)] = q
             mod._parameters[name] = made[id(p)]
     module.register_forward_pre_hook(_cast_inputs(prec.param), with_kwargs=True)
+    if scaler is not None:
+        module.register_forward_hook(scaler.scale_outputs)
     _install_hooks()
 
 
@@ -98,9 +122,71 @@ def _cast_inputs(dtype: torch.dtype):
     return hook
 
 
+# -- loss scaling (float16) -----------------------------------------------------------------------
+
+class _LossScale:
+    """``module``'s dynamic loss scale: its buffers, the output hook that applies it, and the skip
+    or update of each step."""
+
+    def __init__(self, module: nn.Module, mesh, prec: Precision) -> None:
+        rep = [Broadcast()] * mesh.ndim
+        module.register_buffer("_shoal_loss_scale", to_global(torch.tensor(prec.init_scale), mesh, rep),
+                               persistent=False)
+        module.register_buffer("_shoal_clean_steps", to_global(torch.tensor(0.0), mesh, rep), persistent=False)
+        module.register_buffer("_shoal_overflowed", to_global(torch.tensor(0.0), mesh, rep), persistent=False)
+        self.module, self.interval = weakref.ref(module), prec.growth_interval
+
+    @property
+    def scale(self) -> GlobalTensor:
+        return self.module()._shoal_loss_scale  # read when used: a loaded or replaced buffer counts
+
+    @property
+    def overflowed_last(self) -> GlobalTensor:
+        return self.module()._shoal_overflowed
+
+    def scale_outputs(self, mod, args, out):
+        def scaled(t):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad):
+                return t
+            alias = t.view_as(t)  # its own node: each output's incoming gradient scaled once
+            alias.register_hook(lambda g: (g * self.scale).to(g.dtype))
+            return alias
+        return tree_map(scaled, out)
+
+    def overflowed(self, grads: list) -> GlobalTensor:
+        """1.0 where any of ``grads`` has an inf or nan on any device, else 0.0 (max minus min is not
+        finite exactly then, without a copy of each gradient)."""
+        grads = [g for g in grads if g.numel()]
+        if not grads:
+            return None
+        return (~torch.isfinite(sum(g.amax() - g.amin() for g in grads))).float()
+
+    def update(self, found: GlobalTensor) -> None:
+        """GradScaler's rule: halve on overflow (and restart the count), double after ``interval``
+        clean steps."""
+        clean = self.module()._shoal_clean_steps
+        counted = (clean + 1) * (1 - found)
+        grow = (counted >= self.interval).float()
+        self.scale.mul_(0.5 * found + (1 - found) * (1 + grow))
+        clean.copy_(counted * (1 - grow))
+
+
+def loss_scale(module: nn.Module) -> float | None:
+    """The loss scale of a module under ``precision="fp16"`` (None otherwise)."""
+    s = getattr(module, "_shoal_loss_scale", None)
+    return None if s is None else s.item()
+
+
 # -- master weights --------------------------------------------------------------------------------
 
 _MASTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> [(parameter, master)]
+_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> what its step's end needs
+_SKIPPED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose last eager step overflowed
+
+
+def skipped_step(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s last eager step was skipped for an overflow (float16)."""
+    return opt in _SKIPPED
 _HOOKS: list = []
 
 
@@ -146,6 +232,55 @@ def _before_step(opt, args, kwargs) -> None:
         for p, m in pairs:
             m.grad = None if p.grad is None else p.grad.to(m.dtype).to_global(m.mesh, m.sbp)
             p.grad = None  # taken: a zero_grad bound before the first step (not the wrapper) leaves none behind
+        scaler = pairs[0][0]._shoal_scaler
+        if scaler is not None:  # every gradient the step takes was scaled: the masters' and batch norms' (fp32)
+            stepped = [q for group in opt.param_groups for q in group["params"] if q.grad is not None]
+            inv = scaler.scale.reciprocal()
+            for q in stepped:
+                q.grad.mul_(inv)
+            _SCALED[opt] = _skip_if_overflowed(opt, scaler, stepped)
+
+
+def _skip_if_overflowed(opt, scaler: _LossScale, stepped: list):
+    """Make the coming step a no-op if a gradient of ``stepped`` overflowed: eagerly by taking their
+    gradients away (the optimizer passes over a parameter without one); traced, by keeping each
+    one's and its state's value before the step, to be put back where ``found`` (``_after_step``)."""
+    found = scaler.overflowed([q.grad for q in stepped])
+    if found is None:
+        return None
+    kept = []
+    if not seam.current().tracing:
+        _SKIPPED.discard(opt)
+        if found.item():
+            _SKIPPED.add(opt)
+            for q in stepped:
+                q.grad = None
+    else:  # plain tensors (step counters) are the host's: ``keeping_host_state`` puts them back
+        for q in stepped:
+            for t in (q, *opt.state.get(q, {}).values()):
+                if isinstance(t, GlobalTensor):
+                    kept.append((t, t.clone()))
+    return scaler, found, kept
+
+
+@contextlib.contextmanager
+def keeping_host_state(optimizers):
+    """Around a compiled step's run: the plain tensors in the state of an optimizer under float16
+    (Adam's step counters: host work, which the traced step cannot make depend on a device value)
+    put back as they were before where the step overflowed (one read of a flag a step)."""
+    kept = []
+    for opt in optimizers:
+        pairs = _MASTERS.get(opt, ())
+        if pairs and pairs[0][0]._shoal_scaler is not None:
+            scaler = pairs[0][0]._shoal_scaler
+            kept.append((scaler, [(t, t.clone()) for group in opt.param_groups for q in group["params"]
+                                  for t in opt.state.get(q, {}).values()
+                                  if isinstance(t, torch.Tensor) and not isinstance(t, GlobalTensor)]))
+    yield
+    for scaler, saved in kept:
+        if scaler.overflowed_last.item():
+            for t, before in saved:
+                t.copy_(before)
 
 
 def _state_of_master(state: dict, m: nn.Parameter) -> dict:
@@ -163,6 +298,13 @@ def _state_of_master(state: dict, m: nn.Parameter) -> dict:
 
 def _after_step(opt, args, kwargs) -> None:
     with torch.no_grad():
+        scaled = _SCALED.pop(opt, None)
+        if scaled is not None:
+            scaler, found, kept = scaled
+            for t, before in kept:
+                t.copy_(torch.where(found.bool(), before, t))
+            scaler.overflowed_last.copy_(found)
+            scaler.update(found)
         for p, m in _MASTERS.get(opt, ()):
             p.copy_(m)  # rounded once, gathered where the master is split
             m.grad = None
