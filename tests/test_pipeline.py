@@ -5,6 +5,7 @@ batch. A pipelined step cuts the batch into micro-batches, runs forward and back
 in its schedule's order per stage, and steps the optimizer once: it must equal that step.
 """
 
+import collections
 import copy
 
 import pytest
@@ -220,6 +221,13 @@ def test_zero_inside_pipeline_stages(zero):
     weights = [p for p in model.parameters() if p.ndim == 2]
     assert all(isinstance(p.sbp[0], shoal.Split) == (zero == 3) for p in weights)
     assert all(p.mesh.shape == (2,) for p in weights)  # a stage's sub-mesh: dp only
+    comms = {part: collections.Counter(op.name() for op in entries[0][0].ops if op.kind == "comm")
+             for (tag, *_), entries in step._cache.items() for part in [tag[0]]}
+    if zero < 3:  # gradients reduced once, in the tail (reduce-scattered from ZeRO-2): none per micro-batch
+        assert set(comms["body"]) == {"comm.transfer"}
+        assert ("comm.reduce_scatter" in comms["tail"]) == (zero == 2) != ("comm.all_reduce" in comms["tail"])
+    else:  # parameters gathered for each micro-batch, their gradients reduce-scattered by the gather's backward
+        assert set(comms["body"]) == {"comm.transfer", "comm.all_gather", "comm.reduce_scatter"}
 
 
 # -- the virtual clock ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .. import seam
+from ..parallel.memory import split_gradient
 from ..sbp import Broadcast, Partial, Split, reduced
 from ..tensor import GlobalTensor
 from .ir import Graph, local_ids
@@ -228,16 +229,18 @@ def accumulators(params: list, axes: set, stage_axis: str | None = None) -> list
 
 
 def tail_fn(params: list, calls: Calls):
-    """The tail: the accumulated gradients (``accs``) reduced and installed (replacing the gradients
-    when the step zeroes them before backward or there are none, else added to them), then the
-    deferred calls in order. Its arguments are the modules and optimizers (their state) and the
-    accumulators."""
+    """The tail: the accumulated gradients (``accs``) reduced (reduce-scattered under ZeRO-2/3) and
+    installed (replacing the gradients when the step zeroes them before backward or there are none,
+    else added to them), then the deferred calls in order. Its arguments are the modules and
+    optimizers (their state) and the accumulators."""
 
     def tail(owners, accs):
         with torch.no_grad():
             for p, acc in zip(params, accs):
-                grad_sbp = reduced(acc.sbp)
-                g = acc.to_global(acc.mesh, grad_sbp) if grad_sbp != acc.sbp else acc
+                g = split_gradient(p, acc)  # ZeRO-2/3: reduce-scattered over the ZeRO axis, once a step
+                if g is None:
+                    grad_sbp = reduced(acc.sbp)
+                    g = acc.to_global(acc.mesh, grad_sbp) if grad_sbp != acc.sbp else acc
                 if calls.zero_first or p.grad is None:
                     p.grad = g
                 else:
