@@ -4,7 +4,8 @@ Global tensors laid out on a mesh of devices by an SBP per mesh axis; every op k
 single-device meaning. This module only re-exports the public API.
 """
 
-from . import ops, torch_patches  # noqa: F401  (register the op rules; make shoal's changes to torch)
+# ops and torch_patches register the op rules and make shoal's changes to torch; checkpoint is shoal.checkpoint
+from . import checkpoint, ops, torch_patches  # noqa: F401
 from .comm.counter import CommCounter
 from .dispatch import coverage
 from .graph.api import CompiledStep, compile

@@ -3,6 +3,7 @@
 ``shoal train gpt|bert|resnet --devices 4 --mesh 2x2 --plan dp,tp --steps 100`` trains a bundled
 model on data made in code, laid out by the model's plan; see ``shoal train --help``.
 ``shoal run`` launches a script, or ``-m shoal train ...``, on several processes (``launch``).
+``shoal checkpoint info|export`` lists a checkpoint or writes its model as a plain state dict.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from . import launch
+from . import checkpoint, launch
 from . import train as training
 
 __all__ = ["main"]
@@ -99,7 +100,34 @@ def parser() -> argparse.ArgumentParser:
         help="run a script on P processes (torchrun): shoal run -n P [--devices-per-process K] script.py ...",
         add_help=False,
     )
+    _checkpoint_parser(sub)
     return ap
+
+
+def _checkpoint_parser(sub) -> None:
+    c = sub.add_parser("checkpoint", help="list a checkpoint (info) or write its model as one safetensors file "
+                       "(export)", description="Inspect a checkpoint that shoal.checkpoint.save wrote.")
+    actions = c.add_subparsers(dest="action", metavar="ACTION", required=True)
+    i = actions.add_parser("info", help="tensors, global shapes, dtypes, saved layouts, sizes, files and values")
+    i.add_argument("path", help="checkpoint directory (or a safetensors file)")
+    i.add_argument("--verify", action="store_true", help="also check every file against its sha256")
+    e = actions.add_parser("export", help="write the model as one plain safetensors state dict (its own names)")
+    e.add_argument("path", help="checkpoint directory")
+    e.add_argument("out", help="the .safetensors file to write")
+    e.add_argument("--prefix", help="which saved module (default: the only one)")
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    """``shoal checkpoint info|export``: a mistake is one line on stderr and exit status 2."""
+    try:
+        if args.action == "info":
+            print(checkpoint.describe(args.path, verify=args.verify))
+        else:
+            print(f"wrote {checkpoint.export(args.path, args.out, args.prefix)}")
+    except (OSError, ValueError) as e:
+        print(f"shoal checkpoint {args.action}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _version() -> str:
@@ -154,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
+    if args.command == "checkpoint":
+        return _checkpoint(args)
     cfg = _config(args)
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # under shoal run / torchrun: rank 0 reports and writes the run directory

@@ -1,0 +1,313 @@
+"""Sharded checkpoints (``shoal.checkpoint``): saved under one plan, loaded under another mesh, plan or
+device count, training goes on as if never stopped; exports are plain state dicts; saves are atomic;
+damaged files, mismatched names and shapes, and values JSON cannot hold are clear errors."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import shoal
+from shoal import checkpoint
+from shoal.cli import main
+from shoal.models import gpt
+from shoal.testing import assert_same_value
+from test_models import OPTIMIZERS, batches, fit, initial, mesh_for
+
+B, S, P = shoal.B, shoal.S, shoal.P
+
+
+def laid_out(kind: str, mesh: shoal.Mesh | None = None, model=None):
+    mesh = mesh or mesh_for(kind)
+    model = shoal.distribute_module(model or initial("gpt"), mesh, gpt.plans(mesh, kind))
+    return model, OPTIMIZERS["adamw"](model.parameters())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """GPT trained 2 AdamW steps under dp,tp on 4 devices and saved; the losses of 4 steps without a stop."""
+    path = tmp_path_factory.mktemp("ckpt") / "step-2"
+    data = batches("gpt")
+    model, opt = laid_out("dp,tp")
+    losses = fit(model, opt, data[:2])
+    checkpoint.save(path, {"model": model, "optim": opt, "step": 2, "data": {"pos": 7}})
+    losses += fit(model, opt, data[2:4])
+    return path, losses, {k: v.detach().full() for k, v in model.state_dict().items()}
+
+
+def resume(path, kind: str, mesh: shoal.Mesh | None = None):
+    model, opt = laid_out(kind, mesh)
+    layouts = {k: v.sbp for k, v in model.state_dict().items()}
+    result = checkpoint.load(path, {"model": model, "optim": opt})
+    assert {k: v.sbp for k, v in model.state_dict().items()} == layouts  # loaded in place, in the new plan
+    assert result.values == {"step": 2, "data": {"pos": 7}}
+    assert result.missing_keys == result.unexpected_keys == []
+    return model, opt, fit(model, opt, batches("gpt")[2:4])
+
+
+def test_resumes_bit_exactly_in_the_same_plan(trained):
+    path, losses, state = trained
+    model, _, after = resume(path, "dp,tp")
+    assert after == losses[2:]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.full(), state[k]), k
+
+
+@pytest.mark.parametrize("kind, devices", [("tp", [0, 1, 2]), ("tp", [0, 1]), ("zero", [0, 1, 2, 3])])
+def test_resumes_in_another_plan_and_device_count(trained, kind, devices):
+    """dp,tp on 2x2 devices -> tp on 3 (uneven splits) or 2 devices, or ZeRO-1 on 4."""
+    path, losses, state = trained
+    axis = "tp" if kind == "tp" else "dp"
+    model, opt, after = resume(path, kind, shoal.Mesh(devices, axes=(axis,)))
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
+    for k, v in model.state_dict().items():
+        assert_same_value(v.detach(), state[k], k, rtol=1e-5, atol=5e-6)
+    assert all(isinstance(v, shoal.GlobalTensor) for st in opt.state.values() for k, v in st.items() if k != "step")
+
+
+def test_each_shard_reads_only_its_slices(trained, monkeypatch):
+    path, _, _ = trained
+    mesh = shoal.Mesh([0, 1, 2], axes=("tp",))
+    model, _ = laid_out("tp", mesh)
+    counted = {}
+    orig_read = checkpoint._Source.read
+
+    def count(self, name, region, dtype):
+        out = orig_read(self, name, region, dtype)
+        counted[name] = counted.get(name, 0) + out.numel()
+        return out
+
+    monkeypatch.setattr(checkpoint._Source, "read", count)
+    checkpoint.load(path, {"model": model})
+    w = model.blocks[0].attn.q.weight  # S(0) over 3 devices: each reads its third
+    assert w.sbp == (S(0),) and counted["model/blocks.0.attn.q.weight"] == w.numel()
+
+
+def test_replicated_values_are_written_once_and_partial_ones_reduced(tmp_path):
+    mesh = mesh_for("dp,tp")
+    x = torch.arange(30.0).reshape(5, 6)
+    rows = [x[:3], x[3:]]  # S(0) over dp; over tp two pieces that sum to the value
+    part = shoal.from_local({0: rows[0] - 1, 1: torch.ones(3, 6), 2: rows[1] - 1, 3: torch.ones(2, 6)}, mesh, [S(0), P])
+    state = {"rep": shoal.to_global(x, mesh, [B, B]), "split": shoal.to_global(x, mesh, [B, S(1)]),
+             "part": part, "plain": x.clone()}
+    checkpoint.save(tmp_path / "c", state)
+    index = json.loads((tmp_path / "c" / "index.json").read_text())["tensors"]
+    assert [len(index[k]["pieces"]) for k in state] == [1, 2, 2, 1]
+    assert index["part"]["layout"] == "mesh 2x2 [S(0), P]"
+    for k in state:
+        target = shoal.to_global(torch.zeros(5, 6), mesh, [S(1), S(0)])
+        checkpoint.load(tmp_path / "c", {k: target})
+        assert torch.equal(target.full(), x), k
+
+
+def test_tied_weights_are_stored_once(tmp_path):
+    def tied():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 7, bias=False))
+        m[1].weight = m[0].weight
+        return m
+
+    mesh = shoal.Mesh([0, 1, 2])
+    m = shoal.distribute_module(tied(), mesh, {"*": S(0)})
+    checkpoint.save(tmp_path / "c", {"model": m})
+    assert json.loads((tmp_path / "c" / "index.json").read_text())["tensors"]["model/1.weight"] == {
+        "same_as": "model/0.weight"}
+    fresh = shoal.distribute_module(tied(), shoal.Mesh([0, 1]), {"*": S(1)})
+    with torch.no_grad():
+        fresh[0].weight.zero_()
+    checkpoint.load(tmp_path / "c", {"model": fresh})
+    assert fresh[1].weight is fresh[0].weight and torch.equal(fresh[0].weight.full(), tied()[0].weight)
+    checkpoint.export(tmp_path / "c", tmp_path / "m.safetensors")
+    assert set(load_file(tmp_path / "m.safetensors")) == {"0.weight", "1.weight"}
+
+
+def test_export_is_a_plain_state_dict(trained, tmp_path, capsys):
+    path, _, _ = trained
+    out = tmp_path / "model.safetensors"
+    assert main(["checkpoint", "export", str(path), str(out)]) == 0
+    model, _ = laid_out("dp,tp")
+    checkpoint.load(path, {"model": model})
+    plain = initial("gpt")
+    plain.load_state_dict(load_file(out))  # strict: the model's own names, nothing else
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k].full()), k
+    assert main(["checkpoint", "info", str(path), "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"model/blocks.0.attn.q.weight +\[32, 32\] +float32 +mesh 2x2 \[B, S\(0\)\] +4.0 KiB", text)
+    assert "optim/state/tok_emb.weight/exp_avg" in text and 'value data: {"pos": 7}' in text
+    assert "optimizer optim: 1 parameter group(s) of 35 parameters; lr 0.001" in text
+    assert main(["checkpoint", "info", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_plain_state_dict_loads_into_a_distributed_model(tmp_path):
+    """A single-device model's state dict, saved by safetensors in float64, loads into a float32 model
+    laid out by a plan (converted), directly or as the module of a mapping."""
+    plain = initial("gpt")
+    fit(plain, OPTIMIZERS["adamw"](plain.parameters()), batches("gpt")[:1])
+    save_file({k: v.double() for k, v in plain.state_dict().items()}, tmp_path / "plain.safetensors")
+    model, _ = laid_out("dp,tp")
+    assert checkpoint.load(tmp_path / "plain.safetensors", model).missing_keys == []
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32
+        assert torch.equal(v.full(), plain.state_dict()[k]), k
+
+
+def test_a_crash_before_publishing_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    model, opt = laid_out("dp")
+    checkpoint.save(tmp_path / "step-1", {"model": model, "step": 1})
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-1"
+
+    def crash(*args):
+        raise OSError("injected crash")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "replace", crash)
+        with pytest.raises(OSError, match="injected crash"):
+            checkpoint.save(tmp_path / "step-2", {"model": model, "step": 2})
+        with pytest.raises(OSError, match="injected crash"):  # replacing a checkpoint keeps it too
+            checkpoint.save(tmp_path / "step-1", {"model": model, "step": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+    # a save killed before its rename leaves a .tmp- directory, complete or not: never the latest
+    (tmp_path / "step-1").rename(tmp_path / "step-9.tmp-1234")
+    assert checkpoint.latest(tmp_path) is None
+    (tmp_path / "step-9.tmp-1234").rename(tmp_path / "step-1")
+    assert checkpoint.load(tmp_path / "step-1", {"model": model}).values == {"step": 1}
+    assert checkpoint.latest(tmp_path / "missing") is None
+
+
+def test_keep_and_overwrite(tmp_path):
+    model, _ = laid_out("dp")
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path / f"step-{step}", {"model": model, "step": step}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
+    checkpoint.save(tmp_path / "step-2", {"model": model, "step": 4})  # same path again: replaced, now newest
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+    assert checkpoint.load(tmp_path / "step-2", {"model": model}).values == {"step": 4}
+    with pytest.raises(ValueError, match="keep=0"):
+        checkpoint.save(tmp_path / "x", {"model": model}, keep=0)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_file_is_named(trained, tmp_path, damage):
+    path = tmp_path / "copy"
+    shutil.copytree(trained[0], path)
+    (shard,) = path.glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    model, opt = laid_out("tp")
+    before = model.state_dict()["tok_emb.weight"].full()
+    with pytest.raises(ValueError, match=f"{shard}.*(sha256|truncated)"):
+        checkpoint.load(path, {"model": model, "optim": opt})
+    assert torch.equal(model.state_dict()["tok_emb.weight"].full(), before)
+    if damage == "truncate":
+        with pytest.raises(ValueError, match=f"{shard}.*truncated or corrupted"):  # unchecked: safetensors fails
+            checkpoint.load(path, {"model": model}, verify=False)
+        with pytest.raises(ValueError, match=f"{shard}.*truncated"):
+            checkpoint.export(path, tmp_path / "m.safetensors")
+
+
+def test_name_and_shape_mismatches_are_named(trained):
+    path = trained[0]
+    small = gpt.GPT(gpt.GPTConfig(vocab_size=13, block_size=8, n_layer=1, n_head=4, n_embd=32))
+    model, opt = laid_out("dp", model=small)
+    before = {k: v.full() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"unexpected \['model/blocks.1.ln1.weight'.*pass strict=False"):
+        checkpoint.load(path, {"model": model, "optim": opt})
+    assert all(torch.equal(v.full(), before[k]) for k, v in model.state_dict().items())  # nothing loaded
+    result = checkpoint.load(path, {"model": model}, strict=False)
+    assert result.missing_keys == [] and "model/blocks.1.mlp.up.weight" in result.unexpected_keys
+    assert "optim/state/blocks.1.ln1.weight/exp_avg" not in result.unexpected_keys  # only under the targets
+    assert torch.equal(model.state_dict()["tok_emb.weight"].full(), trained_value(path, "tok_emb.weight"))
+    result = checkpoint.load(path, {"model": model, "optim": opt}, strict=False)  # state follows the names
+    assert {"optim/param_groups", "optim/state/blocks.1.ln1.weight"} <= set(result.unexpected_keys)
+    assert len(opt.state) == 20 and all(st["step"] == 2 for st in opt.state.values())
+    fit(model, opt, batches("gpt")[2:3])
+
+    renamed = initial("gpt")
+    renamed.head = renamed.lm_head
+    del renamed.lm_head
+    model, _ = laid_out("dp", model=renamed)
+    result = checkpoint.load(path, {"model": model}, strict=False)
+    assert (result.missing_keys, result.unexpected_keys) == (["model/head.weight"], ["model/lm_head.weight"])
+
+    wide = gpt.GPT(gpt.GPTConfig(vocab_size=15, block_size=8, n_layer=2, n_head=4, n_embd=32))
+    model, _ = laid_out("dp", model=wide)
+    with pytest.raises(ValueError, match=r"model/tok_emb.weight: saved shape \[13, 32\], target shape \[15, 32\]"):
+        checkpoint.load(path, {"model": model}, strict=False)
+
+
+def trained_value(path, name: str) -> torch.Tensor:
+    plain = initial("gpt")
+    checkpoint.load(path, plain)  # a bare module reads the checkpoint's one module, into plain torch too
+    return plain.state_dict()[name]
+
+
+def test_an_optimizer_needs_its_model_beside_it(trained, tmp_path):
+    model, opt = laid_out("dp")
+    with pytest.raises(ValueError, match="pass the model beside it"):
+        checkpoint.save(tmp_path / "c", {"optim": opt})
+    with pytest.raises(ValueError, match="pass the model beside it"):
+        checkpoint.load(trained[0], {"optim": opt})
+
+
+@pytest.mark.parametrize("value, message", [
+    (object(), "'bad/0' is a object, which JSON cannot hold"),
+    (float("nan"), "'bad/0' is nan"),
+    ({1: 2}, "non-string key"),
+    (torch.ones(2), "tensor inside a value"),
+])
+def test_values_json_cannot_hold_are_refused(tmp_path, value, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        checkpoint.save(tmp_path / "c", {"step": 1, "bad": [value]})
+    assert not any(tmp_path.iterdir())
+
+
+WORKER = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import torch, shoal
+from shoal import checkpoint
+shoal.init()
+from test_checkpoint import laid_out
+from test_models import batches, fit
+data, path = batches("gpt"), {path!r}
+model, opt = laid_out("dp,tp")  # devices 0, 1 (rank 0) hold every slice, 2 and 3 (rank 1) the same again
+fit(model, opt, data[:2])
+checkpoint.save(path + "/a", {{"model": model, "optim": opt, "step": 2}})
+model, opt = laid_out("tp")  # each rank holds half of each split tensor
+assert checkpoint.load(path + "/a", {{"model": model, "optim": opt}}).values == {{"step": 2}}
+checkpoint.save(path + "/b", {{"model": model, "optim": opt, "step": 2}}, keep=1)
+model, opt = laid_out("zero")
+checkpoint.load(checkpoint.latest(path), {{"model": model, "optim": opt}})
+losses = fit(model, opt, data[2:4])
+if shoal.world().rank == 0:
+    files = {{c: sorted(os.listdir(os.path.join(path, c))) for c in os.listdir(path)}}
+    print("RESULT", json.dumps({{"losses": losses, "files": files}}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_save_their_own_shards_and_load_another_plan(trained, tmp_path):
+    """2 processes x 2 devices: each writes the slices it holds first (dp,tp: rank 1 holds replicas only);
+    dp,tp -> tp -> ZeRO, training goes on as in one process."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(Path(__file__).parent), path=str(tmp_path / "ckpt")))
+    cmd = [sys.executable, "-m", "shoal.launch", "-n", "2", "--devices-per-process", "2", str(script)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    result = json.loads(p.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["files"] == {"b": ["index.json", "shard-00000-of-00002.safetensors",
+                                     "shard-00001-of-00002.safetensors"]}  # keep=1 removed a
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(trained[1][2:]), rtol=1e-5, atol=0)
