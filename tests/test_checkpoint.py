@@ -311,3 +311,36 @@ def test_two_processes_save_their_own_shards_and_load_another_plan(trained, tmp_
     assert result["files"] == {"b": ["index.json", "shard-00000-of-00002.safetensors",
                                      "shard-00001-of-00002.safetensors"]}  # keep=1 removed a
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(trained[1][2:]), rtol=1e-5, atol=0)
+
+
+# -- training that resumes: shoal train --checkpoint-every N --checkpoint-dir D ----------------------
+
+TINY = ["--set", "n_layer=1", "--set", "n_embd=32", "--set", "n_head=2", "--set", "block_size=16"]
+TRAIN = ["train", "gpt", "--devices", "2", "--plan", "dp", "--steps", "4", "--batch", "4", "--sample", "0",
+         "--threads", "1", "--no-progress", "--checkpoint-every", "2", *TINY]
+
+
+def final_state(directory: Path) -> dict:
+    """The model's parameters in the last checkpoint of a run, as a plain state dict."""
+    out = directory.parent / f"{directory.name}.safetensors"
+    checkpoint.export(checkpoint.latest(directory), out)
+    return load_file(out)
+
+
+def test_a_stopped_run_resumes_where_it_stopped(tmp_path):
+    """A run stopped after 2 of 4 steps and run again resumes from its checkpoint (model, optimizer, LR
+    schedule, data order): losses and final parameters are those of the run never stopped."""
+    from shoal.cli import _config, parser
+    from shoal.train import train
+
+    def run(name: str, stop_after=None):
+        cfg = _config(parser().parse_args([*TRAIN, "--checkpoint-dir", str(tmp_path / name),
+                                           "--out", str(tmp_path / f"{name}-run")]))
+        cfg.stop_after, cfg.verbose = stop_after, False
+        return train(cfg).losses
+
+    whole = run("whole")
+    assert len(run("stopped", stop_after=2)) == 2
+    assert run("stopped") == whole
+    want, got = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

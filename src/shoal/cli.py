@@ -92,6 +92,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint", action="append", default=[], metavar="PATTERN",
                    help="recompute the activations of the modules matching PATTERN in backward (e.g. 'blocks.*'; "
                         "repeat for more)")
+    t.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint every N steps and after the last, into --checkpoint-dir")
+    t.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="where checkpoints go; a run (or a restart under shoal run --max-restarts) resumes from "
+                        "the latest one there")
     t.add_argument("--precision", default=None, choices=("bf16", "fp16"),
                    help="bf16 or fp16 parameters and compute, fp32 master weights and optimizer state; fp16 scales "
                         "the loss dynamically (default: fp32)")

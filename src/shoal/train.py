@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import signal
 import time
 import warnings
 from collections.abc import Callable
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from . import checkpoint
 from .data import CharData, Stripes
 from .dispatch import coverage
 from .graph.api import compile as compile_step
@@ -77,6 +80,8 @@ class TrainConfig:
     schedule: str = "1f1b"  # the pipeline schedule: gpipe | 1f1b | interleaved | zb
     checkpoint: tuple = ()  # module name patterns whose activations are recomputed in backward
     precision: str | None = None  # None (fp32) | "bf16" | "fp16": low-precision parameters, fp32 masters and state
+    checkpoint_every: int = 0  # save a checkpoint every N steps and after the last (0: never)
+    checkpoint_dir: str | None = None  # where checkpoints go; a run resumes from the latest one there
 
 
 @dataclass
@@ -117,6 +122,9 @@ def check(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.warmup is not None and cfg.warmup < 0:
         raise ValueError(f"warmup must not be negative, got {cfg.warmup}")
+    if cfg.checkpoint_every < 0 or (cfg.checkpoint_every and not cfg.checkpoint_dir):
+        raise ValueError("--checkpoint-every N saves every N steps (N >= 1) into --checkpoint-dir DIR, which a "
+                         "restarted run resumes from: give both")
     with torch.device("meta"):  # the model checks its config (e.g. heads dividing the width); nothing allocated
         MODELS[cfg.model].model(_model_config(cfg))
     if cfg.plan == "none":
@@ -267,7 +275,7 @@ def train(cfg: TrainConfig) -> Result:
         _print_header(cfg, model, params, shape, plan)
 
     gen = torch.Generator().manual_seed(cfg.seed)
-    losses: list[float] = []
+    start, losses = _resume(cfg, model, opt, schedule, gen) if cfg.checkpoint_dir else (0, [])
     coverage(reset=True)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -275,7 +283,8 @@ def train(cfg: TrainConfig) -> Result:
         warnings.filterwarnings("ignore", message="shoal: no SBP rule")
         n = cfg.steps if cfg.stop_after is None else min(cfg.stop_after, cfg.steps)
         # disable=None: no bar when the output is not a terminal (logs, CI)
-        bar = tqdm(range(n), desc=f"{cfg.model} {cfg.plan}", unit="step", disable=None if cfg.progress else True)
+        bar = tqdm(range(start, n), desc=f"{cfg.model} {cfg.plan}", unit="step", initial=start, total=n,
+                   disable=None if cfg.progress else True)
         run_step = train_step
         if cfg.compile or cfg.micro_batches > 1:
             if shape is None:
@@ -283,6 +292,7 @@ def train(cfg: TrainConfig) -> Result:
                                  "GlobalTensors); not --plan none")
             run_step = compile_step(train_step, micro_batches=cfg.micro_batches, schedule=cfg.schedule)
         for step in bar:
+            _injected_fault(step)
             model.train()
             x, y = batches("train", gen)
             loss = run_step(model, opt, x, y)
@@ -291,6 +301,11 @@ def train(cfg: TrainConfig) -> Result:
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             if cfg.verbose and cfg.every and (step % cfg.every == 0 or step == n - 1):
                 tqdm.write(f"step {step:>5}  loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.1f}s)")
+            if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step == n - 1):
+                checkpoint.save(Path(cfg.checkpoint_dir) / f"step-{step + 1}",
+                                {"model": model, "optim": opt, "step": step + 1, "losses": losses,
+                                 "schedule": schedule.state_dict(), "data": gen.get_state(),
+                                 "rng": torch.get_rng_state()}, keep=2)
         bar.close()
         seconds = time.perf_counter() - t0
         val_loss = _validate(model, batches, cfg.seed)
@@ -307,6 +322,32 @@ def train(cfg: TrainConfig) -> Result:
         if cfg.verbose:
             print(f"wrote {result.run_dir / 'loss.png'} and {result.run_dir / 'losses.json'}")
     return result
+
+
+def _resume(cfg: TrainConfig, model: nn.Module, opt, schedule, gen: torch.Generator) -> tuple[int, list[float]]:
+    """The step to start at and the losses so far: from the latest checkpoint in ``cfg.checkpoint_dir``
+    (model, optimizer, LR schedule, the data generator and torch's RNG restored), else (0, [])."""
+    last = checkpoint.latest(cfg.checkpoint_dir)
+    if last is None:
+        return 0, []
+    data, rng = gen.get_state(), torch.get_rng_state()
+    r = checkpoint.load(last, {"model": model, "optim": opt, "data": data, "rng": rng})
+    gen.set_state(data)
+    torch.set_rng_state(rng)
+    schedule.load_state_dict(r.values["schedule"])
+    if cfg.verbose:
+        print(f"resumed from {last}: step {r.values['step']} of {cfg.steps}")
+    return r.values["step"], list(r.values["losses"])
+
+
+def _injected_fault(step: int) -> None:
+    """For tests of restarts: ``SHOAL_FAULT_AT=<step>:<rank>`` kills that rank (SIGKILL, as ``kill -9``)
+    when it reaches that step in a run's first attempt (torchrun's restart count 0)."""
+    spec = os.environ.get("SHOAL_FAULT_AT")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        at, rank = (int(v) for v in spec.split(":"))
+        if step == at and world().rank == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @torch.no_grad()
