@@ -17,6 +17,7 @@ from shoal.runtime import bubble
 from shoal.runtime.schedules import peak_in_flight
 from shoal.runtime.schedules import schedule as orders_of
 from shoal.testing import assert_same_value
+from test_precision import with_masters
 
 B, S = shoal.B, shoal.S
 
@@ -246,10 +247,7 @@ def test_mixed_precision_inside_pipeline_stages(precision, zero):
     mesh = shoal.Mesh(*PP_DP)
     shoal.distribute_module(model, mesh, shoal.Plan(stages=even_stages(2), precision=precision, zero=zero))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for p in ref.parameters():
-        p.data = p.data.to(low)
-    masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
-    ref_opt = torch.optim.SGD(masters, lr=0.1)
+    ref_step = with_masters(ref, low, lambda ps: torch.optim.SGD(ps, lr=0.1))
     step = shoal.compile(step_fn, micro_batches=4, schedule="1f1b")
     for _ in range(3):
         x, y = torch.randn(16, 8), torch.randn(16, 4)
@@ -257,12 +255,7 @@ def test_mixed_precision_inside_pipeline_stages(precision, zero):
         ref.zero_grad()
         want = ref(x.to(low), y.to(low))
         want.backward()
-        for p, m in zip(ref.parameters(), masters):
-            m.grad = p.grad.float()
-        ref_opt.step()
-        with torch.no_grad():
-            for p, m in zip(ref.parameters(), masters):
-                p.copy_(m)
+        ref_step()
         assert_same_value(got.detach(), want.detach(), rtol=1e-2, atol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.dtype == low

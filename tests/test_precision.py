@@ -19,26 +19,32 @@ STEPS = 3
 LR = 1e-3
 
 
-def recipe_by_hand(name: str, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)):
-    """The recipe in plain torch on one device: the model with bf16 parameters (batch norms' stay
-    fp32), and its step: fp32 masters updated by ``optimizer`` from the bf16 gradients, copied back."""
-    model = initial(name)
+def with_masters(model, dtype: torch.dtype, optimizer, step=lambda opt: opt.step()):
+    """Mixed precision by hand on ``model`` (plain torch, one device): its parameters in ``dtype`` (batch
+    norms' stay fp32); returns its step: fp32 masters given the low-precision gradients, ``step(opt)``
+    on ``optimizer(masters)``, the masters copied back."""
     for m in model.modules():
         if not isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             for p in m.parameters(recurse=False):
-                p.data = p.data.to(torch.bfloat16)
+                p.data = p.data.to(dtype)
     masters = [p.detach().float().requires_grad_() for p in model.parameters()]
     opt = optimizer(masters)
 
-    def step():
+    def take_step():
         for p, m in zip(model.parameters(), masters):
             m.grad = p.grad.float()
-        opt.step()
+        step(opt)
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters):
                 p.copy_(m)
 
-    return model, step
+    return take_step
+
+
+def recipe_by_hand(name: str, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)):
+    """The bf16 recipe in plain torch on one device: the model, and its step (``with_masters``)."""
+    model = initial(name)
+    return model, with_masters(model, torch.bfloat16, optimizer)
 
 
 def by_hand(name: str):
@@ -260,25 +266,14 @@ def fp16_by_hand(name: str, steps: int, init_scale: float, interval: int, factor
     masters given the gradients and stepped through the scaler (which unscales them, skips the step on
     inf or nan and updates the scale). Losses, the scale after each step, final parameters."""
     model = initial(name)
-    for m in model.modules():
-        if not isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            for p in m.parameters(recurse=False):
-                p.data = p.data.half()
-    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
-    opt = optimizer(masters)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=interval)
+    step = with_masters(model, torch.float16, optimizer, lambda opt: (scaler.step(opt), scaler.update()))
     losses, scales = [], []
     for (x, y), f in zip((batches(name) * 2)[:steps], factors):
         _, loss = model(x.half() if x.is_floating_point() else x, y)
         model.zero_grad(set_to_none=True)
         (loss * f).backward(scaler.scale(torch.ones(())).to(loss.dtype))  # the scale as the loss's gradient
-        for p, m in zip(model.parameters(), masters):
-            m.grad = p.grad.float()
-        scaler.step(opt)
-        scaler.update()
-        with torch.no_grad():
-            for p, m in zip(model.parameters(), masters):
-                p.copy_(m)
+        step()
         losses.append(loss.item())
         scales.append(scaler.get_scale())
     return losses, scales, [p.detach() for p in model.parameters()]

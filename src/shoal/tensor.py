@@ -57,6 +57,10 @@ class GlobalTensor(torch.Tensor):
         self._shards = tuple(shards)
         self._resolved = resolved
 
+    def _as(self, dst: TensorSpec) -> GlobalTensor:
+        """This value laid out as ``dst`` (on another mesh, too), below autograd: no gradient edge."""
+        return GlobalTensor._make(dst, self._shards_as(dst), self.stride())
+
     def _shards_as(self, dst: TensorSpec) -> tuple:
         """This value's shards in layout ``dst`` (boxing if needed).
 

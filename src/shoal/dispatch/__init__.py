@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .. import aliasing, boxing, debug
+from .. import aliasing, debug
 from ..mesh import Mesh
 from ..ops.foreach import by_mesh, spans_meshes
 from ..sbp import Broadcast, sbp_str
@@ -185,7 +185,7 @@ def _onto_smallest_mesh(func, args: tuple, kwargs: dict, tensors) -> tuple[tuple
             # another stage's sub-mesh, under no_grad (clipping's norms of every stage, an optimizer's
             # step): sent over; with autograd on it stays an error (the gradient would land on this mesh)
             dst = TensorSpec(spec.shape, spec.dtype, sub, spec.sbp)
-            moved[id(t)] = GlobalTensor._make(dst, boxing.box(t._shards, spec, dst), t.stride())
+            moved[id(t)] = t._as(dst)
             continue
         if not fixed or not all(isinstance(spec.sbp[a], Broadcast) for a in fixed):
             raise ValueError(_meshes_error(func, gts, sub, spec, fixed))
@@ -196,7 +196,7 @@ def _onto_smallest_mesh(func, args: tuple, kwargs: dict, tensors) -> tuple[tuple
                 f"Move the other inputs with x.to_global({spec.mesh}, sbp) first.")
         kept = tuple(s for a, s in enumerate(spec.sbp) if a not in fixed)
         dst = TensorSpec(spec.shape, spec.dtype, sub, kept or (Broadcast(),) * sub.ndim)  # one device: any layout
-        moved[id(t)] = GlobalTensor._make(dst, boxing.box(t._shards, spec, dst), t.stride())
+        moved[id(t)] = t._as(dst)
     return tree_map_only(_GT, lambda t: moved.get(id(t), t), (args, kwargs))
 
 
@@ -216,7 +216,7 @@ def _onto_written_mesh(func, args: tuple, kwargs: dict, gts, mesh: Mesh) -> tupl
         kept = iter(spec.sbp if len(fixed) < mesh.ndim else ())
         sbp = tuple(Broadcast() if a in fixed else next(kept) for a in range(mesh.ndim))
         dst = TensorSpec(spec.shape, spec.dtype, mesh, sbp)
-        moved[id(t)] = GlobalTensor._make(dst, boxing.box(t._shards, spec, dst), t.stride())
+        moved[id(t)] = t._as(dst)
     return tree_map_only(_GT, lambda t: moved.get(id(t), t), (args, kwargs))
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..boxing import box
 from ..mesh import Mesh
 from ..sbp import SBP, Broadcast, Partial, Split, normalize_sbp, reduced, sbp_str
 from ..spec import TensorSpec
@@ -233,7 +232,7 @@ class _TiedUse(torch.autograd.Function):
         ctx.union, ctx.sub, ctx.axis, ctx.shards = p._spec, sub, a, p._shards
         sbp = (Broadcast(),) if p.mesh.ndim == 1 else p.sbp[:a] + p.sbp[a + 1:]
         dst = TensorSpec(p.shape, p.dtype, sub, sbp)
-        return GlobalTensor._make(dst, box(p._shards, p._spec, dst), p.stride())
+        return p._as(dst)
 
     @staticmethod
     def backward(ctx, g: GlobalTensor):

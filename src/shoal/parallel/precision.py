@@ -181,13 +181,19 @@ def loss_scale(module: nn.Module) -> float | None:
 
 _MASTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> [(parameter, master)]
 _SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> what its step's end needs
-_SKIPPED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose last eager step overflowed
+_HOOKS: list = []
+
+
+def _scaler_of(opt: torch.optim.Optimizer) -> _LossScale | None:
+    """The loss scale of the float16 parameters ``opt`` steps through masters (None: none)."""
+    pairs = _MASTERS.get(opt)
+    return pairs[0][0]._shoal_scaler if pairs else None
 
 
 def skipped_step(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt``'s last eager step was skipped for an overflow (float16)."""
-    return opt in _SKIPPED
-_HOOKS: list = []
+    """Whether ``opt``'s last step was skipped for an overflow (float16)."""
+    scaler = _scaler_of(opt)
+    return scaler is not None and bool(scaler.overflowed_last.item())
 
 
 def _install_hooks() -> None:
@@ -232,7 +238,7 @@ def _before_step(opt, args, kwargs) -> None:
         for p, m in pairs:
             m.grad = None if p.grad is None else p.grad.to(m.dtype).to_global(m.mesh, m.sbp)
             p.grad = None  # taken: a zero_grad bound before the first step (not the wrapper) leaves none behind
-        scaler = pairs[0][0]._shoal_scaler
+        scaler = _scaler_of(opt)
         if scaler is not None:  # every gradient the step takes was scaled: the masters' and batch norms' (fp32)
             stepped = [q for group in opt.param_groups for q in group["params"] if q.grad is not None]
             inv = scaler.scale.reciprocal()
@@ -250,9 +256,7 @@ def _skip_if_overflowed(opt, scaler: _LossScale, stepped: list):
         return None
     kept = []
     if not seam.current().tracing:
-        _SKIPPED.discard(opt)
         if found.item():
-            _SKIPPED.add(opt)
             for q in stepped:
                 q.grad = None
     else:  # plain tensors (step counters) are the host's: ``keeping_host_state`` puts them back
@@ -270,9 +274,8 @@ def keeping_host_state(optimizers):
     put back as they were before where the step overflowed (one read of a flag a step)."""
     kept = []
     for opt in optimizers:
-        pairs = _MASTERS.get(opt, ())
-        if pairs and pairs[0][0]._shoal_scaler is not None:
-            scaler = pairs[0][0]._shoal_scaler
+        scaler = _scaler_of(opt)
+        if scaler is not None:
             kept.append((scaler, [(t, t.clone()) for group in opt.param_groups for q in group["params"]
                                   for t in opt.state.get(q, {}).values()
                                   if isinstance(t, torch.Tensor) and not isinstance(t, GlobalTensor)]))
