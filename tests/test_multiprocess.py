@@ -115,10 +115,12 @@ def test_a_mesh_makes_no_process_group_until_a_collective_needs_it():
 
 
 @pytest.mark.multiprocess
-def test_pipeline_stages_on_two_processes_equal_one_device():
+@pytest.mark.parametrize("per_process", [1, 4])
+def test_pipeline_stages_on_two_processes_equal_one_device(per_process):
     """One stage per process: activations and their gradients cross by point-to-point sends, in an
-    order that cannot deadlock (GPipe's all-forwards-first included)."""
-    code, out, _ = shoal_run(2, 1, "pipeline_worker.py", timeout=180)
+    order that cannot deadlock (GPipe's all-forwards-first and interleaved's two visits included);
+    with 4 devices per process, pipeline x data x tensor parallel (pp=2, dp=2, tp=2)."""
+    code, out, _ = shoal_run(2, per_process, "pipeline_worker.py", timeout=240)
     assert code == 0, out[-4000:]
     for r in range(2):
-        assert f"OK rank {r} of 2 x 1 devices" in out, out[-4000:]
+        assert f"OK rank {r} of 2 x {per_process} devices" in out, out[-4000:]

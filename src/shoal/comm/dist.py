@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..world import FAILED_KEY, world
 
-__all__ = ["all_reduce", "gather_along", "send", "recv", "groups_made"]
+__all__ = ["all_reduce", "gather_along", "send", "recv", "groups_made", "open_channels"]
 
 _GROUPS: dict[tuple, object] = {}  # (ranks, channel) -> process group
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -50,6 +50,18 @@ def _group(ranks: Sequence[int], channel: int | None = None):
                 g = dist.ProcessGroupGloo(store, me, len(key[0]), timeout)
         _GROUPS[key] = g
     return g
+
+
+def open_channels(channels: dict) -> None:
+    """Make every channel group this process is in (``channels``: pair of ranks -> how many), pair by
+    pair in sorted order and each pair's in channel order, the same order on every process. Made
+    lazily instead, by the threads that use them, two processes could each wait to make a different
+    one first: making a group waits for the peer, and holds the interpreter lock while it waits."""
+    me = dist.get_rank()
+    for pair in sorted(channels):
+        if me in pair:
+            for c in range(channels[pair]):
+                _group(pair, c)
 
 
 def _all_reduce(t: torch.Tensor, op, ranks: Sequence[int]):

@@ -111,7 +111,7 @@ def lower(g: Graph, backend: str | None = None, pipelined: bool = False) -> Lowe
     readers: dict = {}  # base -> set of task ids since the last write
     base = {lid: loc.base for lid, loc in g.locals.items()}
     last_comm = None
-    comms = 0  # collectives so far
+    transfers: dict = {}  # pair of processes -> transfers between them so far
     consumed: set = set()  # host segments some device segment depends on
     closed: dict = {}  # device -> its compute segments in the order a collective ended them
     for op in g.ops:
@@ -124,12 +124,15 @@ def lower(g: Graph, backend: str | None = None, pipelined: bool = False) -> Lowe
                 # gathered parameter would then be held at once: it starts once the segment before
                 # the last of its devices is done, one segment ahead of its use
                 t.deps |= {(closed[d][-2], 0) for d in op.devices if len(closed.get(d, ())) > 1}
-            if w.processes > 1 and last_comm is not None:  # collectives in the same order on every process
-                t.deps.add((last_comm, 0))
-            last_comm = t.id
-            if pipelined and w.processes > 1 and op.fn.p2p:
-                t.channel = comms  # the same on every process: every process keeps every transfer
-            comms += 1
+            procs = tuple(sorted({w.process_of(x) for x in op.devices}))
+            if pipelined and len(procs) > 1 and op.fn.p2p:
+                # a channel of its own, numbered among the transfers of the same two processes, which
+                # both trace in the same order (a process does not trace what devices it does not own do)
+                t.channel = transfers[procs] = transfers.get(procs, -1) + 1
+            elif len(procs) > 1:  # collectives across processes in the same order on every process
+                if last_comm is not None:
+                    t.deps.add((last_comm, 0))
+                last_comm = t.id
         else:
             # a segment is one device's (or the host's) ops of one phase and stage of a pipelined step
             key = ("host",) if op.kind == "host" else (op.device, op.phase, op.stage)
@@ -152,6 +155,10 @@ def lower(g: Graph, backend: str | None = None, pipelined: bool = False) -> Lowe
         _commit(op, t.id, base, writer, readers)
         for lid in op.out_ids:
             producer[lid] = t.id
+
+    if transfers:
+        from ..comm.dist import open_channels
+        open_channels({pair: n + 1 for pair, n in transfers.items()})
 
     # state a piece leaves behind is what the next piece reads
     rebind = {}
