@@ -154,12 +154,28 @@ def _init_distributed(devices, device_type: str, processes: int, timeout) -> Wor
     if not dist.is_initialized():
         import atexit
 
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=secs))
+        limit = datetime.timedelta(seconds=secs)
+        store = _attempt_store(rank, processes, limit)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=processes, timeout=limit)
         atexit.register(shutdown)
 
     _install_failure_report(rank)
     return World(processes=processes, devices_per_process=k, rank=rank, device_type=device_type, local_rank=local_rank,
                  timeout=secs)
+
+
+def _attempt_store(rank: int, processes: int, timeout):
+    """The rendezvous store (torchrun's ``env://``) under a prefix naming this attempt of the job.
+
+    torchrun's agent hosts one store for the whole job and every restarted attempt's workers use
+    it as it is; the keys an attempt leaves there (a killed rank's gloo addresses, failure reports)
+    would be read by the next attempt, whose ranks then connect to dead ones and fail or hang."""
+    import torch.distributed as dist
+
+    store, _, _ = next(dist.rendezvous("env://", rank, processes, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"shoal/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 # where a process that fails reports its error (the rendezvous store), for the others' messages
