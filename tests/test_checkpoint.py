@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from safetensors.torch import load_file, save_file
 
 import shoal
 from shoal import checkpoint
+from shoal.checkpoint import writing
+from shoal.checkpoint.reading import Source
 from shoal.cli import main
 from shoal.models import gpt
 from shoal.testing import assert_same_value
@@ -77,14 +80,14 @@ def test_each_shard_reads_only_its_slices(trained, monkeypatch):
     mesh = shoal.Mesh([0, 1, 2], axes=("tp",))
     model, _ = laid_out("tp", mesh)
     counted = {}
-    orig_read = checkpoint._Source.read
+    orig_read = Source.read
 
     def count(self, name, region, dtype):
         out = orig_read(self, name, region, dtype)
         counted[name] = counted.get(name, 0) + out.numel()
         return out
 
-    monkeypatch.setattr(checkpoint._Source, "read", count)
+    monkeypatch.setattr(Source, "read", count)
     checkpoint.load(path, {"model": model})
     w = model.blocks[0].attn.q.weight  # S(0) over 3 devices: each reads its third
     assert w.sbp == (S(0),) and counted["model/blocks.0.attn.q.weight"] == w.numel()
@@ -274,27 +277,99 @@ def test_values_json_cannot_hold_are_refused(tmp_path, value, message):
     assert not any(tmp_path.iterdir())
 
 
-WORKER = """
-import json, os, sys
+# -- background saves ------------------------------------------------------------------------------
+
+
+def test_a_background_save_holds_the_values_as_of_the_save(trained, tmp_path, monkeypatch):
+    """save(background=True) copies the shards before it returns: the AdamW steps that follow (while
+    the writer is held back) change the parameters, not the checkpoint; a second save waits for it."""
+    model, opt = laid_out("dp,tp")
+    checkpoint.load(trained[0], {"model": model, "optim": opt})
+    at_save = {k: v.detach().full() for k, v in model.state_dict().items()}
+    release, write = threading.Event(), writing.write_safetensors
+
+    def held(*args):
+        assert release.wait(60)
+        return write(*args)
+
+    monkeypatch.setattr(writing, "write_safetensors", held)
+    saving = checkpoint.save(tmp_path / "a", {"model": model, "optim": opt, "step": 2, "data": {"pos": 7}},
+                             background=True)
+    losses = fit(model, opt, batches("gpt")[2:4])
+    assert losses == trained[1][2:]  # training is as without a save
+    assert not saving.done() and not (tmp_path / "a").exists()
+    threading.Timer(0.2, release.set).start()
+    checkpoint.save(tmp_path / "b", {"model": model})  # waits for the save in flight
+    assert saving.done() and saving.wait() == tmp_path / "a"
+    assert any(not torch.equal(v.full(), at_save[k]) for k, v in model.state_dict().items())
+    fresh, _ = laid_out("tp")
+    checkpoint.load(tmp_path / "a", {"model": fresh})
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v.full(), at_save[k]), k
+    assert resume(tmp_path / "a", "dp,tp")[2] == losses
+    state = opt.state[model.tok_emb.weight]["exp_avg"]
+    checkpoint.load(tmp_path / "a", {"model": model, "optim": opt})  # into the state it has: read in place
+    assert opt.state[model.tok_emb.weight]["exp_avg"] is state
+    assert fit(model, opt, batches("gpt")[2:4]) == losses
+
+
+def test_a_failed_background_save_raises_from_wait(tmp_path, monkeypatch):
+    model, _ = laid_out("dp")
+
+    def broken(*args):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(writing, "write_safetensors", broken)
+    saving = checkpoint.save(tmp_path / "a", {"model": model}, background=True)
+    with pytest.raises(OSError, match="disk full"):
+        saving.wait()
+    assert saving.done() and not any(tmp_path.iterdir())  # nothing published, the temporary directory gone
+    checkpoint.save(tmp_path / "b", {"model": model}, background=True)  # fails; nobody waits for it
+    with pytest.raises(RuntimeError, match=r"background save of .*b failed \(disk full"):
+        checkpoint.save(tmp_path / "c", {"model": model})
+    monkeypatch.undo()
+    checkpoint.save(tmp_path / "c", {"model": model})
+    assert checkpoint.latest(tmp_path) == tmp_path / "c"
+
+
+# -- several processes -------------------------------------------------------------------------------
+
+HEADER = """
+import json, os, pathlib, sys, threading
 sys.path.insert(0, {tests!r})
 import torch, shoal
 from shoal import checkpoint
 shoal.init()
 from test_checkpoint import laid_out
 from test_models import batches, fit
-data, path = batches("gpt"), {path!r}
+data, path, rank = batches("gpt"), {path!r}, shoal.world().rank
+"""
+
+
+def launch(tmp_path: Path, body: str, processes: int, devices: int, path: Path) -> dict:
+    """Run ``body`` after ``HEADER`` on ``processes`` x ``devices``; what rank 0 printed after RESULT."""
+    script = tmp_path / f"worker-{processes}x{devices}.py"
+    script.write_text(HEADER.format(tests=str(Path(__file__).parent), path=str(path)) + body)
+    cmd = [sys.executable, "-m", "shoal.launch", "-n", str(processes), "--devices-per-process", str(devices),
+           str(script)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "SHOAL_TIMEOUT": "30"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return json.loads(p.stdout.split("RESULT ", 1)[1].splitlines()[0])
+
+
+RESHARD = """
 model, opt = laid_out("dp,tp")  # devices 0, 1 (rank 0) hold every slice, 2 and 3 (rank 1) the same again
 fit(model, opt, data[:2])
-checkpoint.save(path + "/a", {{"model": model, "optim": opt, "step": 2}})
+checkpoint.save(path + "/a", {"model": model, "optim": opt, "step": 2})
 model, opt = laid_out("tp")  # each rank holds half of each split tensor
-assert checkpoint.load(path + "/a", {{"model": model, "optim": opt}}).values == {{"step": 2}}
-checkpoint.save(path + "/b", {{"model": model, "optim": opt, "step": 2}}, keep=1)
+assert checkpoint.load(path + "/a", {"model": model, "optim": opt}).values == {"step": 2}
+checkpoint.save(path + "/b", {"model": model, "optim": opt, "step": 2}, keep=1)
 model, opt = laid_out("zero")
-checkpoint.load(checkpoint.latest(path), {{"model": model, "optim": opt}})
+checkpoint.load(checkpoint.latest(path), {"model": model, "optim": opt})
 losses = fit(model, opt, data[2:4])
-if shoal.world().rank == 0:
-    files = {{c: sorted(os.listdir(os.path.join(path, c))) for c in os.listdir(path)}}
-    print("RESULT", json.dumps({{"losses": losses, "files": files}}))
+if rank == 0:
+    files = {c: sorted(os.listdir(os.path.join(path, c))) for c in os.listdir(path)}
+    print("RESULT", json.dumps({"losses": losses, "files": files}))
 """
 
 
@@ -302,15 +377,86 @@ if shoal.world().rank == 0:
 def test_two_processes_save_their_own_shards_and_load_another_plan(trained, tmp_path):
     """2 processes x 2 devices: each writes the slices it holds first (dp,tp: rank 1 holds replicas only);
     dp,tp -> tp -> ZeRO, training goes on as in one process."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent), path=str(tmp_path / "ckpt")))
-    cmd = [sys.executable, "-m", "shoal.launch", "-n", "2", "--devices-per-process", "2", str(script)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    result = json.loads(p.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    result = launch(tmp_path, RESHARD, 2, 2, tmp_path / "ckpt")
     assert result["files"] == {"b": ["index.json", "shard-00000-of-00002.safetensors",
                                      "shard-00001-of-00002.safetensors"]}  # keep=1 removed a
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(trained[1][2:]), rtol=1e-5, atol=0)
+
+
+BACKGROUND = """
+from shoal.checkpoint import writing
+trained, write = threading.Event(), writing.write_safetensors
+
+def held(*args):  # rank 0 writes once its training steps are done; meanwhile rank 1's save waits for it
+    assert trained.wait(60)
+    return write(*args)
+
+writing.write_safetensors = held
+model, opt = laid_out("dp,tp")
+fit(model, opt, data[:2])
+saving = checkpoint.save(path, {"model": model, "optim": opt, "step": 2, "data": {"pos": 7}}, background=True)
+losses = fit(model, opt, data[2:4])  # its collectives run while the save's barriers wait on their own group
+assert not saving.done()
+trained.set()
+assert saving.wait() == pathlib.Path(path)
+model, opt = laid_out("dp,tp")
+checkpoint.load(path, {"model": model, "optim": opt})
+resumed = fit(model, opt, data[2:4])
+if rank == 0:
+    print("RESULT", json.dumps({"losses": losses, "resumed": resumed}))
+"""
+
+ZERO1 = """
+model, opt = laid_out("zero")  # dp over 4 processes x 1 device, AdamW's state split (ZeRO-1)
+checkpoint.load(path, {"model": model, "optim": opt})
+losses = fit(model, opt, data[2:4])
+if rank == 0:
+    print("RESULT", json.dumps({"losses": losses}))
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_processes(tmp_path_factory):
+    """GPT trained 2 AdamW steps under dp,tp on 2 processes x 2 devices and saved in the background
+    while 2 more steps ran; the losses of those 2 steps, and of 2 steps resumed from the checkpoint."""
+    tmp = tmp_path_factory.mktemp("two")
+    return tmp / "ckpt", launch(tmp, BACKGROUND, 2, 2, tmp / "ckpt")
+
+
+def close(losses: list[float], want: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_a_background_save_on_two_processes_resumes_bit_exactly(saved_on_two_processes, trained):
+    _, result = saved_on_two_processes
+    assert result["resumed"] == result["losses"]  # the same plan on the same processes: bit-exact
+    close(result["losses"], trained[1][2:])  # and the run is the one-process run's
+
+
+@pytest.mark.multiprocess
+def test_saved_on_two_processes_resumes_on_one_process_under_tp(saved_on_two_processes):
+    """2 processes x 2 devices, dp,tp -> 1 process x 3 devices, tp (uneven splits)."""
+    path, result = saved_on_two_processes
+    close(resume(path, "tp", shoal.Mesh([0, 1, 2], axes=("tp",)))[2], result["losses"])
+
+
+@pytest.mark.multiprocess
+def test_saved_on_two_processes_resumes_on_four_under_zero1(saved_on_two_processes, tmp_path):
+    """2 processes x 2 devices, dp,tp -> 4 processes x 1 device, dp with ZeRO-1."""
+    path, result = saved_on_two_processes
+    close(launch(tmp_path, ZERO1, 4, 1, path)["losses"], result["losses"])
+
+
+@pytest.mark.multiprocess
+def test_saved_on_two_processes_resumes_in_plain_torch(saved_on_two_processes):
+    """2 processes x 2 devices, dp,tp -> a plain module and torch's AdamW on one device."""
+    path, result = saved_on_two_processes
+    model = initial("gpt")
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    assert checkpoint.load(path, {"model": model, "optim": opt}).values == {"step": 2, "data": {"pos": 7}}
+    assert all(type(v) is torch.Tensor for st in opt.state.values() for v in st.values())
+    close(fit(model, opt, batches("gpt")[2:4]), result["losses"])
 
 
 # -- training that resumes: shoal train --checkpoint-every N --checkpoint-dir D ----------------------
