@@ -4,17 +4,22 @@
 model on data made in code, laid out by the model's plan; see ``shoal train --help``.
 ``shoal run`` launches a script, or ``-m shoal train ...``, on several processes (``launch``).
 ``shoal checkpoint info|export`` lists a checkpoint or writes its model as a plain state dict.
+``shoal plan gpt --set ... --devices 1024 --batch 1536 [--plan tp=8,...]`` predicts or searches a plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
+import time
 from importlib.metadata import PackageNotFoundError, version
 
-from . import checkpoint, launch
+import torch
+
+from . import auto, checkpoint, launch
 from . import train as training
 
 __all__ = ["main"]
@@ -106,6 +111,7 @@ def parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     _checkpoint_parser(sub)
+    _plan_parser(sub)
     return ap
 
 
@@ -132,6 +138,48 @@ def _checkpoint(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"shoal checkpoint {args.action}: error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict a plan's step time and memory on a described cluster, or search the "
+                       "best one", description="Simulate a bundled model's training step on a described cluster "
+                       "(built on meta tensors: nothing is allocated). Without --plan, search every plan; keys "
+                       "given in --plan are kept and the others searched.")
+    p.add_argument("model", choices=["gpt"], metavar="MODEL", help="gpt")
+    p.add_argument("--set", dest="model_args", type=_setting, action="append", default=[], metavar="KEY=VALUE",
+                   help="a model config field, e.g. --set n_layer=96 (repeatable)")
+    p.add_argument("--cluster", default="a100-80gb", help="cluster preset: a100-80gb or local (default %(default)s)")
+    p.add_argument("--devices", type=int, required=True, help="devices in the cluster")
+    p.add_argument("--batch", type=int, required=True, help="global batch size, in sequences")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's block_size)")
+    p.add_argument("--plan", default="", metavar="K=V,...",
+                   help="tp, pp, dp, mb, schedule, zero, recompute, sp, v, precision; e.g. tp=8,pp=8,dp=16,mb=1")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``shoal plan``: a mistake is one line on stderr and exit status 2."""
+    try:
+        mcfg = training._model_config(training.TrainConfig(model=args.model, model_args=dict(args.model_args)))
+        with torch.device("meta"):
+            model = training.MODELS[args.model].model(mcfg)
+        cluster = auto.Cluster.preset(args.cluster, devices=args.devices)
+        fixed = auto.Parallel.parse(args.plan)
+        t0 = time.perf_counter()
+        if len(fixed.given()) == len(dataclasses.fields(auto.Parallel)):  # all given: simulate it, fit or not
+            est = auto.simulate(model, cluster, fixed, batch=args.batch, seq=args.seq)
+        else:
+            _, est = auto.search(model, cluster, batch=args.batch, seq=args.seq, fixed=fixed)
+        seconds = time.perf_counter() - t0
+    except ValueError as e:
+        print(f"shoal plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**est.summary(), "search_seconds": seconds}))
+    else:
+        print(est.explain())
+        print(f"({seconds:.1f} s)")
     return 0
 
 
@@ -189,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "checkpoint":
         return _checkpoint(args)
+    if args.command == "plan":
+        return _plan(args)
     cfg = _config(args)
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:  # under shoal run / torchrun: rank 0 reports and writes the run directory

@@ -21,7 +21,7 @@ if w.devices_per_process == 1:
 else:
     mesh = shoal.Mesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], axes=("pp", "dp", "tp"))
     params = {"blocks.*.fc.weight": (shoal.B, shoal.S(0)), "blocks.*.fc.bias": (shoal.B, shoal.S(0))}
-    schedules = ("1f1b",)  # interleaved x tp across processes waits forever for a transfer: see README
+    schedules = ("1f1b",)  # interleaved x tp across processes: a transfer times out (README, Not done)
 for schedule in schedules:
     stages = even_stages(4 if schedule == "interleaved" else 2)
     got, want, model, ref, _ = train(mesh, stages, schedule, m=4, plan_params=params)

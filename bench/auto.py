@@ -1,0 +1,138 @@
+"""Does the cost model predict? Part 1: Megatron-LM's published runs (Narayanan et al. SC'21, Table 1,
+A100 80GB) against the simulator's TFLOP/s per GPU for their plans (micro-batch size and schedule
+searched, as they tuned them). Part 2: GPT-3 175B on 1024 A100-80GB, batch 1536: the searched plan
+beside the best Megatron-style hand plan (tp 1/2/4/8, pp dividing the layers, dp the rest, 1F1B, no
+ZeRO, no sequence parallelism) on the same cost model. Part 3: the bundled GPT's compiled step on 4
+virtual CPU devices, measured under dp, tp, dp,tp and pp,dp, beside the ``local`` preset's prediction.
+Usage: python bench/auto.py [--skip-local] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+import shoal
+from shoal import auto
+from shoal.models.gpt import GPT, GPTConfig
+from shoal.train import train_step
+
+THREADS = 2
+# heads, hidden, layers, TP, PP, GPUs, batch, published TFLOP/s per GPU (V = 51,200, s = 2048)
+MEGATRON = [(24, 2304, 24, 1, 1, 32, 512, 137), (48, 6144, 40, 8, 1, 256, 1024, 135),
+            (96, 12288, 80, 8, 8, 1536, 2304, 148), (160, 25600, 128, 8, 64, 3072, 3072, 163)]
+GPT3 = GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
+
+
+def meta(cfg: GPTConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def calibration() -> None:
+    print("Megatron-LM SC'21 Table 1 (A100 80GB) vs shoal.auto, their TP/PP/DP, full recomputation")
+    print("| params | hidden | layers | TP | PP | GPUs | batch | published TFLOP/s | predicted | error | searched mb, "
+          "schedule | MFU (model FLOPs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for heads, h, layers, tp, pp, gpus, batch, published in MEGATRON:
+        model = meta(GPTConfig(vocab_size=51200, block_size=2048, n_layer=layers, n_head=heads, n_embd=h,
+                               dropout=0.1))
+        params = sum(p.numel() for p in model.parameters())
+        fixed = auto.Parallel(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=0, recompute="full", sequence_parallel=False)
+        cfg, est = auto.search(model, auto.Cluster.preset("a100-80gb", devices=gpus), batch=batch, seq=2048,
+                               fixed=fixed)
+        err = est.tflops_per_device / published - 1
+        sched = cfg.schedule + (f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
+        print(f"| {params / 1e9:.1f}B | {h} | {layers} | {tp} | {pp} | {gpus} | {batch} | {published} | "
+              f"{est.tflops_per_device:.1f} | {100 * err:+.1f}% | {cfg.micro_batch}, {sched} | {100 * est.mfu:.1f}% |",
+              flush=True)
+
+
+def gpt3_search() -> None:
+    model = meta(GPT3)
+    cluster = auto.Cluster.preset("a100-80gb", devices=1024)
+    t0 = time.perf_counter()
+    cfg, est = auto.search(model, cluster, batch=1536, seq=2048)
+    searched_s = time.perf_counter() - t0
+    hand, hand_est = auto.search(model, cluster, batch=1536, seq=2048,
+                                 fixed=auto.Parallel(schedule="1f1b", zero=0, sequence_parallel=False))
+    print(f"\nGPT-3 175B, 1024 x A100-80GB, batch 1536 x 2048 (search: {searched_s:.2f} s)")
+    print("| plan | config | step s | TFLOP/s per GPU (Megatron count) | MFU (model FLOPs) | memory per GPU GB "
+          "| fits |")
+    print("|---|---|---|---|---|---|---|")
+    for name, e in (("searched", est), ("best hand plan", hand_est)):
+        print(f"| {name} | {e.cfg} | {e.step_seconds:.2f} | {e.tflops_per_device:.1f} | {100 * e.mfu:.1f}% | "
+              f"{e.memory_per_device / 1e9:.1f} | {e.fits} |")
+    print(f"ratio searched / hand TFLOP/s: {est.tflops_per_device / hand_est.tflops_per_device:.3f}")
+    print(est.explain())
+    print(hand_est.explain())
+
+
+PLANS = {"dp": (auto.Parallel(dp=4), (4,), ("dp",)),
+         "tp": (auto.Parallel(tp=4, dp=1), (4,), ("tp",)),
+         "dp,tp": (auto.Parallel(dp=2, tp=2), (2, 2), ("dp", "tp")),
+         "pp,dp": (auto.Parallel(pp=2, dp=2, schedule="1f1b"), (2, 2), ("pp", "dp"))}
+
+
+def local(steps: int) -> None:
+    """The bundled GPT's compiled step on 4 virtual devices, measured (median of ``steps`` after warm-up, as
+    bench/scaling.py times them) beside the local preset's prediction."""
+    cfg = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    batch = 16
+    shoal.init(devices=4)
+    cluster = auto.Cluster.preset("local", devices=4)
+    model_meta = meta(cfg)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    print(f"\nbundled GPT ({cfg}), batch {batch}, 4 virtual CPU devices, compiled step, "
+          f"torch.set_num_threads({THREADS}); local preset: {cluster.flops['fp32'] / 1e9:.1f} GFLOP/s, "
+          f"{cluster.hbm / 1e9:.1f} GB/s, {cluster.op_overhead * 1e6:.1f} us/op per device")
+    # the search, kept to what shoal's plans lay out today: no sequence parallelism, one stage per device
+    found, _ = auto.search(model_meta, cluster, batch=batch, fixed=auto.Parallel(
+        sequence_parallel=False, virtual_stages=1, schedule="1f1b", precision="fp32", zero=0))
+    axes = tuple(a for a, n in (("pp", found.pp), ("dp", found.dp), ("tp", found.tp)) if n > 1) or ("dp",)
+    runs = {"searched": (found, found.mesh_shape(), axes)}
+    for name, (par, shape, ax) in PLANS.items():
+        m = 2 if par.pp else 1
+        runs[name] = (auto.Parallel(**{**par.given(), "micro_batch": batch // ((par.dp or 1) * m),
+                                       "precision": "fp32"}), shape, ax)
+    print("| plan | predicted ms/step | measured ms/step | predicted / measured |")
+    print("|---|---|---|---|")
+    for name, (par, shape, axes) in runs.items():
+        est = auto.simulate(model_meta, cluster, par, batch=batch)
+        mesh = shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
+        plan, options = par.to_plan(mesh, batch=batch)
+        model = shoal.distribute_module(copy.deepcopy(base), mesh, plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = shoal.compile(train_step, **options)
+        for _ in range(3):
+            step(model, opt, x, x).detach().full()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step(model, opt, x, x).detach().full()
+            times.append(time.perf_counter() - t0)
+        measured = sorted(times)[len(times) // 2]
+        print(f"| {name} ({par}) | {1e3 * est.step_seconds:.1f} | {1e3 * measured:.1f} | "
+              f"{est.step_seconds / measured:.2f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-local", action="store_true")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    calibration()
+    gpt3_search()
+    if not args.skip_local:
+        local(args.steps)
+
+
+if __name__ == "__main__":
+    main()

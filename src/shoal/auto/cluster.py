@@ -1,0 +1,232 @@
+"""A described cluster, and what a collective costs on it.
+
+``Cluster`` holds a device's peak rates (FLOP/s per dtype, HBM bandwidth, memory) and its links as
+levels (``Link``: NVLink inside a node, InfiniBand across), each with an alpha (latency) and a beta
+(seconds per byte). ``all_reduce``/``reduce_scatter``/``all_gather``/``send_recv`` price a collective
+over a group by the alpha-beta model, ring or tree, hierarchically over the levels the group spans.
+Every constant of a preset says where it comes from.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from functools import cache
+
+import torch
+
+from ..mesh import Mesh
+from ..sbp import Broadcast, Partial
+from ..tensor import from_local
+from ..world import is_initialized, world
+
+__all__ = ["Link", "Cluster", "ring_all_reduce", "PRESETS"]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One level of the interconnect: ``size`` devices share it (a node of 8 for NVLink; None: every
+    device, the top level); ``alpha`` seconds per message step; ``bandwidth`` bytes/s each device
+    sends (and receives) at once on this level, already scaled by the achievable fraction."""
+
+    name: str
+    size: int | None
+    alpha: float
+    bandwidth: float
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """``devices`` identical devices. ``flops``: peak FLOP/s by dtype name ("bf16", "fp32"...);
+    ``memory``: bytes per device; ``hbm``: achievable memory bandwidth, bytes/s; ``links``: levels,
+    innermost first. ``gemm_efficiency``: the fraction of peak a large matrix multiply reaches;
+    ``gemm_half``: the GEMM dimension at which a dimension's tile/wave losses halve the rate (the
+    smooth curve ``d / (d + gemm_half)`` per output dimension); ``op_overhead``: seconds per kernel;
+    ``fuse``: chains of memory-bound ops run as one kernel (GPU: Megatron-LM's fused kernels, inductor)."""
+
+    name: str
+    devices: int
+    flops: dict
+    memory: float
+    hbm: float
+    links: tuple[Link, ...]
+    gemm_efficiency: float
+    gemm_half: float
+    op_overhead: float
+    fuse: bool = False
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"Cluster: devices must be at least 1, got {self.devices}")
+        if not self.links or self.links[-1].size is not None:
+            raise ValueError("Cluster: links must end with a level spanning every device (size=None)")
+
+    @staticmethod
+    def preset(name: str, devices: int) -> Cluster:
+        """A described cluster of ``devices``: "a100-80gb" (DGX A100 nodes of 8) or "local" (this
+        machine's virtual devices, rates measured by a short micro-benchmark, cached per process)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return replace(PRESETS[name](devices), devices=devices)
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise ValueError(f"cluster {self.name!r} has no peak rate for {dtype!r}; it has {', '.join(self.flops)}")
+        return self.flops[dtype]
+
+    def levels(self, n: int, stride: int) -> list[tuple[Link, int]]:
+        """How a group of ``n`` devices spaced ``stride`` apart splits over the link levels: (link,
+        devices of the group that link joins), innermost first; the product of the counts is ``n``."""
+        out, left, span = [], n, stride
+        for link in self.links:
+            if left == 1:
+                break
+            if link.size is None:
+                out.append((link, left))
+                break
+            inside = max(1, min(left, link.size // span)) if span < link.size else 1
+            if inside > 1:
+                out.append((link, inside))
+                left //= inside
+            span = max(span * inside, link.size)
+        return out
+
+    def all_reduce(self, nbytes: float, n: int, stride: int = 1) -> float:
+        """Seconds to all-reduce ``nbytes`` over ``n`` devices ``stride`` apart: hierarchical (reduce-
+        scatter inside each level, all-reduce of the shard above, all-gather back), each level by the
+        faster of ring and tree."""
+        t, size = 0.0, float(nbytes)
+        for link, k in self.levels(n, stride):
+            t += min(ring_all_reduce(size, k, link), _tree_all_reduce(size, k, link))
+            size /= k
+        return t
+
+    def reduce_scatter(self, nbytes: float, n: int, stride: int = 1) -> float:
+        """Seconds to reduce-scatter ``nbytes`` (the whole tensor) over the group: half a ring all-reduce."""
+        return self.all_reduce(nbytes, n, stride) / 2
+
+    all_gather = reduce_scatter  # the same bytes on the same links, in the other direction
+
+    def send_recv(self, nbytes: float, across: bool) -> float:
+        """Seconds to send ``nbytes`` to a neighbour, inside the innermost level or (``across``) over the top one."""
+        link = self.links[-1] if across else self.links[0]
+        return link.alpha + nbytes / link.bandwidth
+
+
+def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce (reduce-scatter then all-gather): 2(n-1) steps, each moving ``nbytes / n``."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.alpha
+
+
+def _tree_all_reduce(nbytes: float, n: int, link: Link) -> float:
+    """Double binary tree (NCCL's tree): pipelined reduce up and broadcast down, log2(n) steps each
+    way, each device's two trees moving the whole buffer once in and once out."""
+    if n <= 1:
+        return 0.0
+    return 2 * nbytes / link.bandwidth + 2 * math.ceil(math.log2(n)) * link.alpha
+
+
+def _a100_80gb(devices: int) -> Cluster:
+    return Cluster(
+        name="a100-80gb",
+        devices=8,
+        # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 80GB: BF16/FP16 tensor 312 TFLOP/s dense,
+        # TF32 156 TFLOP/s dense, FP32 19.5 TFLOP/s; 80 GB HBM2e at 2,039 GB/s
+        flops={"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+        memory=80e9,
+        # achievable HBM bandwidth: ~80% of 2,039 GB/s, what streaming kernels reach on A100
+        # (BabelStream/STREAM-triad results on A100-80GB: ~1.6-1.7 TB/s)
+        hbm=0.8 * 2039e9,
+        links=(
+            # NVLink3: 12 links x 50 GB/s = 600 GB/s per GPU both directions, 300 GB/s each way, all 8 GPUs
+            # of a DGX A100 through NVSwitch; NCCL all-reduce bus bandwidth on one DGX A100 ~230 GB/s
+            # (nccl-tests), i.e. ~77% achievable; ~3 us per step (NCCL small-message latency in a node)
+            Link("nvlink", size=8, alpha=3e-6, bandwidth=0.77 * 300e9),
+            # HDR InfiniBand 200 Gb/s = 25 GB/s per port, 8 compute ports per DGX A100 node, one per GPU
+            # (DGX A100 user guide); NCCL inter-node bus bandwidth ~185 of 200 GB/s per node, ~92%;
+            # ~8 us per step across nodes (IB + NCCL proxy latency)
+            Link("infiniband", size=None, alpha=8e-6, bandwidth=0.92 * 25e9),
+        ),
+        # cuBLAS BF16 GEMMs on A100 reach ~250-270 TFLOP/s (80-87% of 312) on large square shapes
+        # (NVIDIA's "Matrix Multiplication Background" guide, cuBLAS benchmarks); 0.85 for a shape of
+        # infinite extent. Tile 128 x 128 (x 32) CTAs: a dimension of d loses ~ d/(d + 128) to tile
+        # quantization, partial waves and pipeline fill (the same guide's wave/tile quantization).
+        gemm_efficiency=0.85,
+        gemm_half=128.0,
+        # CUDA kernel launch latency ~3-5 us; most hides behind the queue, ~2 us each is exposed
+        op_overhead=2e-6,
+        # Megatron-LM fuses bias+GeLU, scale+mask+softmax and bias+dropout+add (Narayanan et al. SC'21,
+        # section 4.2): a chain of elementwise ops reads its input and writes its output once
+        fuse=True,
+    )
+
+
+def _best(fn, reps: int = 5) -> float:
+    """The fastest of ``reps`` timed calls of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@cache
+def _measured() -> tuple[float, float, float]:
+    """(matmul FLOP/s, memory bandwidth bytes/s, seconds per op) of this machine's CPU at torch's
+    thread count: the best of a few runs of a 512^3 fp32 matmul, a 32 MiB copy, and a tiny add."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    matmul = 2 * 512**3 / _best(lambda: a @ b)
+    src = torch.randn(8 * 2**20)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / _best(lambda: dst.copy_(src))
+    x = torch.randn(8)
+    overhead = _best(lambda: [x.add(1.0) for _ in range(100)]) / 100
+    return matmul, bandwidth, overhead
+
+
+@cache
+def _measured_all_reduce(devices: int) -> tuple[float, float] | None:
+    """(alpha, bandwidth) of the ring formula fitted to shoal's own all-reduce (Partial -> Broadcast)
+    of a small and a large fp32 tensor over ``devices`` virtual devices; None without such a world."""
+    if devices < 2 or not is_initialized() or world().size < devices:
+        return None
+    mesh = Mesh(list(range(devices)))
+
+    def seconds(n: int) -> float:
+        shards = {mesh.devices[i]: torch.ones(n) for i in mesh.local_positions}
+        x = from_local(shards, mesh, Partial("sum"), shape=(n,))
+        return _best(lambda: x.to_global(mesh, Broadcast()))
+
+    small, large, n = seconds(64), seconds(2**20), devices
+    steps, share = 2 * (n - 1), 2 * (n - 1) / n
+    bandwidth = share * (2**22 - 256) / max(large - small, 1e-9)
+    return max(small - share * 256 / bandwidth, 0.0) / steps, bandwidth
+
+
+def _local(devices: int) -> Cluster:
+    matmul, bandwidth, overhead = _measured()
+    matmul, bandwidth = matmul / devices, bandwidth / devices
+    alpha, link_bandwidth = _measured_all_reduce(devices) or (overhead, bandwidth)
+    return Cluster(
+        name="local",
+        devices=devices,
+        # measured on this machine (``_measured``): virtual devices share its cores, each gets 1/devices
+        # of its rates while all compute at once, and runs its ops one after another (the overhead)
+        flops={"fp32": matmul, "bf16": matmul, "fp16": matmul},
+        memory=float("inf"),  # host memory; not a limit the search should hit
+        hbm=bandwidth,
+        # virtual devices' collectives are tensor copies in one process: the ring formula fitted to shoal's
+        # own all-reduce where the world has the devices, else a copy's bandwidth and a call's latency
+        links=(Link("copy", size=None, alpha=alpha, bandwidth=link_bandwidth),),
+        gemm_efficiency=1.0,  # the measured rate already is the achievable one
+        gemm_half=16.0,  # CPU kernels block by ~16 floats (AVX-512 width)
+        op_overhead=overhead,
+    )
+
+
+PRESETS = {"a100-80gb": _a100_80gb, "local": _local}

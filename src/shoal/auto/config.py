@@ -1,0 +1,152 @@
+"""``Parallel``: the one description of a whole parallel configuration, and its ``k=v,...`` form.
+
+Fields left None are free: ``search`` chooses them, ``resolved`` fills defaults. ``to_plan(mesh)``
+turns a configuration into the ``shoal.Plan`` and ``shoal.compile`` options of the bundled GPT,
+through the same code ``shoal train`` lays its plans out with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+
+from .. import train as training
+from ..mesh import Mesh
+from ..parallel import Plan
+
+__all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+RECOMPUTE = ("none", "full")
+PRECISIONS = ("bf16", "fp16", "fp32")
+_SHORT = {"mb": "micro_batch", "sp": "sequence_parallel", "v": "virtual_stages"}  # --plan key -> field
+_LONG = {v: k for k, v in _SHORT.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """Tensor (``tp``), pipeline (``pp``) and data (``dp``) parallel degrees; ``micro_batch``
+    sequences per micro-batch; the pipeline ``schedule`` with ``virtual_stages`` per device
+    (interleaved); ZeRO stage ``zero``; ``recompute`` "none" or "full" (every layer's activations
+    recomputed in backward); ``sequence_parallel`` (the replicated parts of a layer split over tp);
+    ``precision`` of parameters and compute. None: not chosen (searched, or a default)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch: int | None = None
+    schedule: str | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    virtual_stages: int | None = None
+    precision: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"Parallel: {name} must be a positive integer, got {v!r}")
+        for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("precision", PRECISIONS),
+                              ("zero", (0, 1, 2, 3)), ("sequence_parallel", (True, False))):
+            v = getattr(self, name)
+            if v is not None and v not in allowed:
+                raise ValueError(f"Parallel: {name}={v!r}; choose one of {', '.join(map(str, allowed))}")
+
+    @staticmethod
+    def parse(text: str) -> Parallel:
+        """``"tp=8,pp=8,dp=16,mb=1,schedule=1f1b,zero=1,recompute=full"`` (the fields, or their short
+        names mb, sp, v) -> Parallel."""
+        names = {f.name: f for f in fields(Parallel)}
+        values: dict = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, eq, value = part.partition("=")
+            key = _SHORT.get(key.strip(), key.strip())
+            if not eq or key not in names:
+                known = ", ".join(_LONG.get(n, n) for n in names)
+                raise ValueError(f"--plan {text!r}: {part!r} is not KEY=VALUE with KEY one of {known}")
+            if key in values:
+                raise ValueError(f"--plan {text!r}: {key} given twice")
+            values[key] = _value(key, value.strip(), text)
+        return Parallel(**values)
+
+    def __str__(self) -> str:
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out.append(f"{_LONG.get(f.name, f.name)}={str(v).lower() if isinstance(v, bool) else v}")
+        return ",".join(out)
+
+    def given(self) -> dict:
+        """The fields that are set."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def resolved(self, devices: int) -> Parallel:
+        """Every field set: tp, pp 1, dp the rest of ``devices``, one sequence per micro-batch, 1F1B, no
+        ZeRO, no recomputation, no sequence parallelism, one stage per device, bf16; a clear error if
+        the degrees do not multiply to ``devices``."""
+        tp, pp = self.tp or 1, self.pp or 1
+        dp = self.dp if self.dp is not None else max(devices // (tp * pp), 1)
+        if tp * pp * dp != devices:
+            raise ValueError(f"Parallel {self}: tp x pp x dp = {tp} x {pp} x {dp} = {tp * pp * dp}, but the cluster "
+                             f"has {devices} devices; make the product {devices}")
+        schedule = self.schedule or "1f1b"
+        return Parallel(tp, pp, dp, self.micro_batch or 1, schedule, self.zero or 0, self.recompute or "none",
+                        bool(self.sequence_parallel), self.virtual_stages or (2 if schedule == "interleaved" and pp > 1
+                                                                              else 1), self.precision or "bf16")
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh this configuration runs on, by the axes it uses: (pp, dp, tp) with unit axes dropped
+        (dp kept when nothing else is)."""
+        sizes = [("pp", self.pp or 1), ("dp", self.dp or 1), ("tp", self.tp or 1)]
+        kept = [n for name, n in sizes if n > 1 or (name == "dp" and (self.pp or 1) == (self.tp or 1) == 1)]
+        return tuple(kept)
+
+    def to_plan(self, mesh: Mesh, batch: int | None = None) -> tuple[Plan, dict]:
+        """The bundled GPT's ``shoal.Plan`` for this configuration on ``mesh`` (shaped as ``mesh_shape``,
+        axes pp, dp, tp as used), and the ``shoal.compile`` options (micro-batches of a global ``batch``,
+        default two per stage; the schedule), laid out by the code ``shoal train --plan`` uses."""
+        cfg = self.resolved(math.prod(mesh.shape))
+        kind = _train_plan(cfg)
+        want = cfg.mesh_shape()
+        if tuple(mesh.shape) != want:
+            raise ValueError(f"Parallel {cfg}: needs a {'x'.join(map(str, want))} mesh (axes {kind}), got "
+                             f"{'x'.join(map(str, mesh.shape))}")
+        if cfg.virtual_stages > 1 or cfg.sequence_parallel:
+            raise ValueError(f"Parallel {cfg}: shoal's plans do not yet lay out virtual stages or sequence "
+                             f"parallelism; use v=1 and sp=false")
+        tc = training.TrainConfig(model="gpt", plan=kind, devices=math.prod(want), mesh=want,
+                                  checkpoint=("blocks.*",) if cfg.recompute == "full" else (),
+                                  precision=None if cfg.precision == "fp32" else cfg.precision)
+        made, plan = training._lay_out(tc, None, want)
+        if made != mesh:
+            raise ValueError(f"Parallel.to_plan: expected the mesh {made}, got {mesh}")
+        plan = dataclasses.replace(plan, zero=cfg.zero) if cfg.dp > 1 else plan
+        micro_batches = batch // (cfg.dp * cfg.micro_batch) if batch else 2 * cfg.pp if cfg.pp > 1 else 1
+        return plan, {"micro_batches": max(micro_batches, 1), "schedule": cfg.schedule}
+
+
+def _train_plan(cfg: Parallel) -> str:
+    """The ``shoal train --plan`` name of a resolved configuration's mesh."""
+    inner = "dp,tp" if cfg.tp > 1 and cfg.dp > 1 else "tp" if cfg.tp > 1 else "dp"
+    if cfg.pp > 1:
+        if inner == "tp" or (cfg.tp > 1 and cfg.dp == 1):
+            raise ValueError(f"Parallel {cfg}: a pipeline needs a data-parallel axis in shoal's plans (pp,dp or "
+                             f"pp,dp,tp); give dp >= 2")
+        return "pp,dp,tp" if cfg.tp > 1 else "pp,dp"
+    return inner
+
+
+def _value(key: str, text: str, whole: str):
+    if key in ("schedule", "recompute", "precision"):
+        return text
+    if key == "sequence_parallel":
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"--plan {whole!r}: sp={text!r}; give true or false")
+        return text.lower() in ("true", "1")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--plan {whole!r}: {key}={text!r} is not an integer") from None

@@ -1,0 +1,267 @@
+"""The cost model: a training step's time and memory per device for a configuration on a cluster.
+
+``simulate(model, cluster, cfg, batch=, seq=)`` prices one representative layer's ops (``profile``)
+on the device, adds tensor-parallel collectives, pipeline send/recv and bubble (closed forms of the
+``runtime.schedules`` orders), the data-parallel gradient reduction (overlapped with the last
+backward) and the optimizer update, and counts memory by kind. ``Estimate`` holds the result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..parallel.memory import byte_size
+from .cluster import Cluster
+from .config import Parallel
+from .profile import OpCost, Profile, gpt_config, profile
+
+__all__ = ["Estimate", "simulate", "estimate", "check", "megatron_flops", "bubble_fraction", "in_flight", "DTYPES"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# bytes per parameter: (weights, gradients, optimizer state) under Adam. Mixed precision as Megatron-LM
+# runs it: bf16 weights, fp32 gradient accumulation and reduction (--accumulate-allreduce-grads-in-fp32),
+# fp32 master weights + two moments (ZeRO paper's K = 12); fp32: weights, gradients, two moments.
+_STATES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
+# bytes an Adam update moves per parameter: read gradient, master, m, v; write master, m, v; (mixed
+# precision) write the low-precision weights
+_UPDATE = {"bf16": 30, "fp16": 30, "fp32": 28}
+
+
+@dataclass
+class Estimate:
+    """A configuration's predicted step. ``breakdown``: seconds per step by compute / exposed
+    communication (tp, pp, dp) / bubble / optimizer; ``memory``: bytes on the fullest device by kind;
+    ``tflops_per_device``: Megatron-LM's count (``megatron_flops``); ``model_tflops_per_device`` and
+    ``mfu``: the model's own FLOPs (no recomputation) against the peak."""
+
+    cfg: Parallel
+    cluster: Cluster
+    batch: int
+    seq: int
+    step_seconds: float
+    tflops_per_device: float
+    model_tflops_per_device: float
+    mfu: float
+    memory: dict[str, float]
+    breakdown: dict[str, float]
+    runner_up: Estimate | None = field(default=None, repr=False)
+
+    @property
+    def memory_per_device(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_per_device <= self.cluster.memory
+
+    def summary(self) -> dict:
+        return {"plan": str(self.cfg), "step_seconds": self.step_seconds, "tflops_per_device": self.tflops_per_device,
+                "model_tflops_per_device": self.model_tflops_per_device, "mfu": self.mfu,
+                "memory_per_device_bytes": int(self.memory_per_device), "fits": self.fits,
+                "breakdown_seconds": self.breakdown, "memory_bytes": {k: int(v) for k, v in self.memory.items()}}
+
+    def explain(self) -> str:
+        c = self.cfg
+        lines = [f"plan {c} on {self.cluster.devices} x {self.cluster.name}, batch {self.batch} x {self.seq}",
+                 f"  step {self.step_seconds:.3f} s; {self.tflops_per_device:.1f} TFLOP/s per device (Megatron-LM's "
+                 f"count), model FLOPs {self.model_tflops_per_device:.1f} TFLOP/s, MFU {100 * self.mfu:.1f}%",
+                 "  as shoal code:",
+                 f"    mesh = shoal.Mesh(torch.arange({self.cluster.devices}).reshape{c.mesh_shape()}.tolist(), "
+                 f"axes=...)  # pp, dp, tp as used",
+                 f"    plan, options = auto.Parallel.parse({str(c)!r}).to_plan(mesh, batch={self.batch})",
+                 "  time per step:"]
+        total = sum(self.breakdown.values())
+        for k, v in sorted(self.breakdown.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {k:<22} {v:9.4f} s  {100 * v / total:5.1f}%")
+        lines.append(f"  memory on the fullest device ({byte_size(self.memory_per_device)} of "
+                     f"{byte_size(self.cluster.memory)}: {'fits' if self.fits else 'DOES NOT FIT'}):")
+        for k, v in sorted(self.memory.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {k:<22} {byte_size(v):>12}")
+        if self.runner_up is not None:
+            lines.append(f"  runner-up {self.runner_up.cfg}: {self.runner_up.step_seconds:.3f} s "
+                         f"({self.runner_up.tflops_per_device:.1f} TFLOP/s); it lost by " + _why(self, self.runner_up))
+        return "\n".join(lines)
+
+
+def _why(best: Estimate, other: Estimate) -> str:
+    diffs = {k: other.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0) for k in {*best.breakdown, *other.breakdown}}
+    worst = sorted(diffs.items(), key=lambda kv: -kv[1])[:2]
+    return ", ".join(f"{k} +{v:.4f} s" for k, v in worst if v > 0) or "nothing (a tie)"
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of a step as Narayanan et al. (SC'21) count them, with full recomputation:
+    96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, w: float = 0.0) -> float:
+    """Idle time of a pipeline step over ``m`` micro-batches of equal stages, as a fraction of the
+    step: (p-1)/v stage slots against m (gpipe, 1f1b, interleaved); ZB-H1 fills ``w`` (the weight-
+    gradient share of a stage's forward + backward) of each bubble slot twice over."""
+    if p == 1:
+        return 0.0
+    idle = (p - 1) * (1 - 2 * w if schedule == "zb" else 1) / (v if schedule == "interleaved" else 1)
+    return idle / (m + idle)
+
+
+def in_flight(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The most micro-batches whose activations the first device holds, in units of one stage's
+    (a chunk is 1/v of it): GPipe all m, 1F1B and ZB-H1 p, interleaved 1F1B its warm-up + 1 chunks."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v
+    return min(p, m)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    forward: float
+    backward: float
+    weight_grad: float
+
+
+def _op_seconds(op: OpCost, cluster: Cluster, peak: float, tp: int, sp: bool, tokens: int,
+                prev: OpCost | None = None) -> float:
+    """Seconds of ``op`` on one device. A memory-bound op right after another of the same output size
+    fuses with it when the cluster fuses (``Cluster.fuse``): the intermediate is neither written nor
+    read back, and the fused kernel launches once."""
+    div = tp if op.split or (sp and op.where == "block") else 1
+    if op.gemm is None:
+        nbytes, overhead = op.nbytes, cluster.op_overhead
+        if cluster.fuse and prev is not None and prev.gemm is None and prev.phase == op.phase \
+                and prev.out_bytes == op.out_bytes:
+            nbytes, overhead = max(op.nbytes - 2 * prev.out_bytes, op.out_bytes), 0.0
+        return nbytes / div / cluster.hbm + op.flops / div / peak + overhead
+    b, m, n, k = op.gemm
+    if div > 1 and b > 1:
+        b = math.ceil(b / div)  # heads split: fewer batched products
+    elif div > 1:  # a linear layer's weight split: the largest dim other than the tokens is cut
+        dims = [m, n, k]
+        i = max((j for j in range(3) if dims[j] != tokens), key=lambda j: dims[j], default=2)
+        dims[i] = math.ceil(dims[i] / div)
+        m, n, k = dims
+    eff = cluster.gemm_efficiency  # output tiles quantize m and n; k is looped over (its cost: the bytes)
+    for d in (m, n):
+        eff *= d / (d + cluster.gemm_half)
+    return 2 * b * m * n * k / (peak * eff) + op.nbytes / div / cluster.hbm + cluster.op_overhead
+
+
+def _phase_seconds(prof: Profile, where: str, cluster: Cluster, peak: float, tp: int, sp: bool) -> _Layer:
+    t = {"F": 0.0, "B": 0.0, "W": 0.0}
+    prev = None
+    for op in prof.ops:
+        if op.where == where:
+            s = _op_seconds(op, cluster, peak, tp, sp, prof.tokens, prev)
+            prev = op
+            t[op.phase] += s
+            if op.phase == "B" and op.gemm is not None and op.gemm[0] == 1:
+                t["W"] += s / 2  # a linear's backward: input gradient and weight gradient, equal GEMMs
+    return _Layer(t["F"], t["B"], t["W"])
+
+
+def simulate(model: nn.Module, cluster: Cluster, cfg: Parallel, *, batch: int, seq: int | None = None) -> Estimate:
+    """Predict a training step of ``model`` (a bundled GPT, on the meta device) under ``cfg`` on
+    ``cluster`` for a global ``batch`` of sequences of ``seq`` tokens (default the model's block size)."""
+    mcfg = gpt_config(model)
+    seq = seq or mcfg.block_size
+    c = cfg.resolved(cluster.devices)
+    check(c, mcfg, batch)
+    m = batch // (c.dp * c.micro_batch)
+    prof = profile(model, c.micro_batch, seq, DTYPES[c.precision])
+    return estimate(prof, mcfg, cluster, c, batch, seq, m)
+
+
+def check(c: Parallel, mcfg, batch: int) -> None:
+    """Raise ValueError naming each way the resolved configuration ``c`` does not fit the model or batch."""
+    problems = []
+    if mcfg.n_head % c.tp:
+        problems.append(f"tp={c.tp} does not divide the {mcfg.n_head} heads")
+    if mcfg.n_layer % (c.pp * c.virtual_stages):
+        problems.append(f"pp x v = {c.pp} x {c.virtual_stages} does not divide the {mcfg.n_layer} layers")
+    if batch % (c.dp * c.micro_batch):
+        problems.append(f"batch {batch} is not a multiple of dp x micro_batch = {c.dp} x {c.micro_batch}")
+    elif c.schedule == "interleaved" and (batch // (c.dp * c.micro_batch)) % c.pp:
+        problems.append("interleaved needs the micro-batches per step to be a multiple of pp")
+    if c.virtual_stages > 1 and c.schedule != "interleaved":
+        problems.append(f"virtual_stages={c.virtual_stages} needs schedule=interleaved")
+    if problems:
+        raise ValueError(f"auto: plan {c} does not fit the model: " + "; ".join(problems))
+
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq: int, m: int) -> Estimate:
+    """The step of ``m`` micro-batches (profiled in ``prof``) per data-parallel rank under resolved ``c``."""
+    peak = cluster.peak(c.precision)
+    sp = c.sequence_parallel and c.tp > 1
+    layer = _phase_seconds(prof, "block", cluster, peak, c.tp, sp)
+    embed = _phase_seconds(prof, "embed", cluster, peak, c.tp, sp)
+    head = _phase_seconds(prof, "head", cluster, peak, c.tp, sp)
+    act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]  # one layer's output, a micro-batch
+    ar = cluster.all_reduce(act, c.tp) if c.tp > 1 else 0.0  # with sp: reduce-scatter + all-gather, the same
+    recompute = c.recompute == "full"
+    per_layer_tp = ar * (prof.allreduces_forward * (2 if recompute else 1) + prof.allreduces_backward)
+    layers = mcfg.n_layer // c.pp
+    fwd = layers * layer.forward
+    bwd = layers * (layer.backward + (layer.forward if recompute else 0.0))
+    stage_compute = fwd + bwd + max(embed.forward + embed.backward, head.forward + head.backward)
+    p2p = 0.0
+    if c.pp > 1:  # each micro-batch crosses v stage boundaries per device each way, the tp shards apart
+        across = c.tp * c.dp >= (cluster.links[0].size or cluster.devices)
+        p2p = 2 * c.virtual_stages * cluster.send_recv(act / c.tp, across)
+    stage = stage_compute + layers * per_layer_tp + p2p  # one micro-batch through the slowest stage
+    w_share = layers * layer.weight_grad / stage if stage else 0.0
+    frac = bubble_fraction(c.schedule, c.pp, m, c.virtual_stages, w_share)
+    pipeline = m * stage / (1 - frac)
+
+    w_bytes, g_bytes, o_bytes = _STATES[c.precision]
+    params = (layers * prof.block_params + max(prof.embed_params, prof.head_params)) / c.tp
+    dp_time = 0.0
+    if c.dp > 1:
+        grads = cluster.all_reduce(params * g_bytes, c.dp, c.tp)
+        if c.zero >= 1:  # reduce-scatter the gradients, all-gather the updated weights
+            grads = cluster.reduce_scatter(params * g_bytes, c.dp, c.tp)
+            grads += cluster.all_gather(params * w_bytes, c.dp, c.tp)
+        overlap = layers * (layer.backward + (layer.forward if recompute else 0.0))  # the last micro-batch's
+        dp_time = max(grads - overlap, 0.0)
+        if c.zero == 3:  # weights gathered for every forward (and recomputation) and backward, per micro-batch
+            dp_time += m * (3 if recompute else 2) * cluster.all_gather(params * w_bytes, c.dp, c.tp)
+    update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm
+    step = pipeline + dp_time + update
+    breakdown = {"compute": m * stage_compute, "tensor-parallel comm": m * layers * per_layer_tp,
+                 "pipeline send/recv": m * p2p, "pipeline bubble": pipeline - m * stage,
+                 "data-parallel comm": dp_time, "optimizer": update}
+
+    memory = _memory(prof, c, mcfg, params, layers, m, sp)
+    mega = megatron_flops(batch, seq, mcfg.n_layer, mcfg.n_embd, mcfg.vocab_size)
+    own = sum(o.flops for o in prof.ops if o.where != "block") + mcfg.n_layer * sum(
+        o.flops for o in prof.ops if o.where == "block")
+    own *= batch // c.micro_batch
+    per_device = 1e12 * step * cluster.devices
+    return Estimate(c, cluster, batch, seq, step, mega / per_device, own / per_device,
+                    own / (step * cluster.devices * peak), memory, breakdown)
+
+
+def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int, sp: bool) -> dict[str, float]:
+    w, g, o = _STATES[c.precision]
+    dp = c.dp
+    out = {"weights": params * w / (dp if c.zero >= 3 else 1),
+           "gradients": params * g / (dp if c.zero >= 2 else 1),
+           "optimizer state": params * o / (dp if c.zero >= 1 else 1)}
+    replicated = prof.saved_other / (c.tp if sp else 1)
+    per_layer = prof.saved_split / c.tp + replicated
+    held = in_flight(c.schedule, c.pp, m, c.virtual_stages)
+    if c.recompute == "full":  # each layer keeps its input; one layer's whole activations live in its backward
+        kept = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision] / (c.tp if sp else 1)
+        out["activations"] = held * layers * kept + per_layer
+    else:
+        out["activations"] = held * layers * per_layer
+    out["logits (last stage)"] = prof.head_saved / c.tp
+    return out
