@@ -157,6 +157,18 @@ def test_parameters_live_on_their_stage():
     assert model.head.weight.mesh == mesh.submesh(pp=1)
 
 
+def test_loss_backward_is_the_last_stages():
+    """A micro-batch's labels, sliced on the last stage's devices, belong to no stage: the loss's
+    backward that reads them is the last stage's (it was tagged the first stage those devices hold,
+    so they ran the last stage's backward in that stage's turn; across processes, a hang)."""
+    mesh = shoal.Mesh([[0, 1], [2, 3]], axes=("pp", "tp"))
+    params = {"blocks.*.fc.weight": (S(0),), "blocks.*.fc.bias": (S(0),)}
+    got, want, model, ref, step = train(mesh, even_stages(4), "interleaved", m=4, plan_params=params, steps=1)
+    assert_trained_alike(got, want, model, ref)
+    ops = [op for op in step.plan.graph.ops if op.phase == "B" and "mse_loss_backward" in str(op.fn)]
+    assert ops and {op.stage for op in ops} == {3}
+
+
 # -- the order each stage follows -----------------------------------------------------------------
 
 

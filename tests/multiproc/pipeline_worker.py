@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_multiprocess.py, one pipeline stage per process: trained for 3
 steps, each schedule equals plain torch on one device (the losses, every parameter and gradient).
 With 1 device per process the mesh is (pp=2), every schedule (interleaved: 4 virtual stages, two per
-process); with 4 it is (pp=2, dp=2, tp=2), 1F1B, the blocks column-parallel over tp."""
+process); with 4 it is (pp=2, dp=2, tp=2), 1F1B and interleaved, the blocks column-parallel over tp."""
 
 import sys
 from pathlib import Path
@@ -21,7 +21,7 @@ if w.devices_per_process == 1:
 else:
     mesh = shoal.Mesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], axes=("pp", "dp", "tp"))
     params = {"blocks.*.fc.weight": (shoal.B, shoal.S(0)), "blocks.*.fc.bias": (shoal.B, shoal.S(0))}
-    schedules = ("1f1b",)  # interleaved x tp across processes: a transfer times out (README, Not done)
+    schedules = ("1f1b", "interleaved")
 for schedule in schedules:
     stages = even_stages(4 if schedule == "interleaved" else 2)
     got, want, model, ref, _ = train(mesh, stages, schedule, m=4, plan_params=params)

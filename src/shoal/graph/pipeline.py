@@ -276,11 +276,13 @@ def tag(g: Graph, stages) -> None:
     """Give every op of a body its model stage (``Op.stage``): forward ops the latest stage among
     what they read, backward ops the earliest (parameters and buffers know theirs), moved to a
     stage their device holds (the first at or after it going forward, the last at or before it going
-    backward); ops reading nothing staged take their device's."""
+    backward); ops reading nothing staged take the stage their device was last at (or its first, or
+    its last going backward), which what they make does not inherit."""
     p = stages.p
     rank = {d: r for r, m in enumerate(stages.meshes) for d in m.devices}
     held = {d: [r + c * p for c in range(stages.v)] for d, r in rank.items()}
     of: dict[int, int] = {}
+    last: dict = {}  # (device, phase) -> the stage of its last op known
     for s in g.slots:
         st = _slot_stage(s)
         for lid in local_ids(s.before) if st is not None else ():
@@ -295,14 +297,18 @@ def tag(g: Graph, stages) -> None:
         fwd = op.phase == "F"
         st = (max(known) if fwd else min(known)) if known else None
         devs = [op.device] if op.device is not None else list(op.devices)
-        if devs and op.kind != "comm":
-            mine = held.get(devs[0])
-            if mine is not None:
-                if st is None:
-                    st = mine[0] if fwd else mine[-1]
-                elif st not in mine:
-                    later = [x for x in mine if x >= st] if fwd else [x for x in mine if x <= st][::-1]
-                    st = later[0] if later else (mine[-1] if fwd else mine[0])
+        mine = held.get(devs[0]) if devs and op.kind != "comm" else None
+        if mine is not None and st is None:
+            # the stage its device was last at in this phase (what another process sent it, a
+            # micro-batch's labels), else its device's first (last going backward); what it makes
+            # does not inherit a guess (a label sliced in forward pulled backward to the first stage)
+            op.stage = last.get((devs[0], op.phase), mine[0] if fwd else mine[-1])
+            continue
+        if mine is not None and st not in mine:
+            later = [x for x in mine if x >= st] if fwd else [x for x in mine if x <= st][::-1]
+            st = later[0] if later else (mine[-1] if fwd else mine[0])
+        if mine is not None:
+            last[devs[0], op.phase] = st
         op.stage = st
         if st is not None:
             for lid in (*op.out_ids, *op.writes):
