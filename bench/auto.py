@@ -92,11 +92,9 @@ def local(steps: int) -> None:
     print(f"\nbundled GPT ({cfg}), batch {batch}, 4 virtual CPU devices, compiled step, "
           f"torch.set_num_threads({THREADS}); local preset: {cluster.flops['fp32'] / 1e9:.1f} GFLOP/s, "
           f"{cluster.hbm / 1e9:.1f} GB/s, {cluster.op_overhead * 1e6:.1f} us/op per device")
-    # the search, kept to what shoal's plans lay out today: no sequence parallelism, one stage per device
-    found, _ = auto.search(model_meta, cluster, batch=batch, fixed=auto.Parallel(
-        sequence_parallel=False, virtual_stages=1, schedule="1f1b", precision="fp32", zero=0))
-    axes = tuple(a for a, n in (("pp", found.pp), ("dp", found.dp), ("tp", found.tp)) if n > 1) or ("dp",)
-    runs = {"searched": (found, found.mesh_shape(), axes)}
+    # the search proposes only plans shoal runs as is (runnable=True: no sequence parallelism); fp32 on CPU
+    found, _ = auto.search(model_meta, cluster, batch=batch, fixed=auto.Parallel(precision="fp32"))
+    runs = {"searched": (found, found.mesh_shape(), found.axes())}
     for name, (par, shape, ax) in PLANS.items():
         m = 2 if par.pp else 1
         runs[name] = (auto.Parallel(**{**par.given(), "micro_batch": batch // ((par.dp or 1) * m),
@@ -106,7 +104,7 @@ def local(steps: int) -> None:
     for name, (par, shape, axes) in runs.items():
         est = auto.simulate(model_meta, cluster, par, batch=batch)
         mesh = shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
-        plan, options = par.to_plan(mesh, batch=batch)
+        plan, options = par.to_plan(mesh, batch=batch, model=base)
         model = shoal.distribute_module(copy.deepcopy(base), mesh, plan)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = shoal.compile(train_step, **options)

@@ -2,6 +2,7 @@
 calibrated on (Megatron-LM, SC'21 Table 1), the search on GPT-3 175B, ``Parallel`` and ``shoal plan``."""
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from shoal.auto.profile import profile
 from shoal.auto.simulate import bubble_fraction, in_flight
 from shoal.models.gpt import GPT, GPTConfig
 from shoal.runtime import schedules
+from shoal.train import gather, train_step
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 # (SC'21), Table 1: heads, hidden, layers, TP, PP, GPUs, batch, achieved TFLOP/s per GPU (A100 80GB,
@@ -105,6 +107,10 @@ def test_search_on_gpt3_175b_fits_and_beats_every_megatron_style_hand_plan():
     assert time.perf_counter() - t0 < 60
     assert est.fits and est.memory_per_device <= 80e9
     assert est.runner_up is not None and est.runner_up.step_seconds >= est.step_seconds
+    assert not cfg.sequence_parallel  # proposed plans run in shoal as is: its GPT plans lay out no sp
+    free_sp = dataclasses.replace(cfg, sequence_parallel=None)
+    _, what_if = auto.search(model, cluster, batch=1536, seq=2048, fixed=free_sp, runnable=False)
+    assert what_if.step_seconds <= est.step_seconds  # the cost model alone may price sp as well
     # hand plans: tp in 1, 2, 4, 8; pp dividing the layers; dp the rest; 1F1B, no ZeRO or sequence parallelism
     hand_fixed = auto.Parallel(schedule="1f1b", zero=0, sequence_parallel=False)
     hand, hand_est = auto.search(model, cluster, batch=1536, seq=2048, fixed=hand_fixed)
@@ -177,3 +183,44 @@ def test_shoal_plan_json():
     assert (cfg.tp, cfg.pp, cfg.dp) == (8, 8, 16) and out["fits"] and out["memory_per_device_bytes"] <= 80e9
     bad = subprocess.run(args[:-3] + ["--plan", "tp=3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("shoal plan: error:") and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("text,shape,axes", [
+    ("pp=2,tp=2,precision=fp32", (2, 2), ("pp", "tp")), ("pp=4,precision=fp32", (4,), ("pp",)),
+    ("pp=2,dp=2,schedule=interleaved,v=2,precision=fp32", (2, 2), ("pp", "dp"))])
+def test_to_plan_pipelines_without_dp_and_with_virtual_stages_train_like_one_device(text, shape, axes):
+    cfg = auto.Parallel.parse(text)
+    mesh = shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=16))
+    plan, options = cfg.to_plan(mesh, batch=8, model=base)
+    x = torch.randint(0, 16, (8, 8), generator=torch.Generator().manual_seed(1))
+    want_model = copy.deepcopy(base)
+    want_opt = torch.optim.AdamW(want_model.parameters(), lr=1e-2)
+    model = shoal.distribute_module(copy.deepcopy(base), mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = shoal.compile(train_step, **options)
+    for _ in range(2):
+        torch.testing.assert_close(step(model, opt, x, x).full(), train_step(want_model, want_opt, x, x).detach())
+    got = gather(model).state_dict()
+    for name, p in want_model.state_dict().items():
+        torch.testing.assert_close(got[name], p, msg=name)
+    if cfg.virtual_stages:
+        with pytest.raises(ValueError, match="needs the model"):
+            cfg.to_plan(mesh)
+
+
+def test_the_local_preset_is_calibrated_on_shoals_compiled_runtime():
+    from shoal.auto.cluster import _measured, _measured_all_reduce, _measured_compiled_op
+
+    local = auto.Cluster.preset("local", devices=4)
+    matmul, bandwidth, plain_op = _measured()
+    # 4 virtual devices share the machine: each gets a quarter of its measured rates
+    assert local.flops["fp32"] == pytest.approx(matmul / 4) and local.hbm == pytest.approx(bandwidth / 4)
+    assert 1e9 / 4 < local.flops["fp32"] < 1e13 and 1e8 < local.hbm < 1e12
+    # a compiled op runs on 4 devices' actor threads sharing the cores and the GIL: it costs the step more
+    # than one plain torch op, and the ring's step (one op on every device) about as much as an op
+    assert local.op_overhead == _measured_compiled_op(4) and plain_op < local.op_overhead < 1e-3
+    alpha, link_bandwidth = _measured_all_reduce(4)
+    assert local.links[0].alpha == alpha and 0.2 * local.op_overhead < alpha < 5 * local.op_overhead
+    assert 1e7 < link_bandwidth == local.links[0].bandwidth

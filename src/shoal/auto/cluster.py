@@ -178,29 +178,58 @@ def _best(fn, reps: int = 5) -> float:
 @cache
 def _measured() -> tuple[float, float, float]:
     """(matmul FLOP/s, memory bandwidth bytes/s, seconds per op) of this machine's CPU at torch's
-    thread count: the best of a few runs of a 512^3 fp32 matmul, a 32 MiB copy, and a tiny add."""
+    thread count: the best of 20 runs (a fraction of a second: enough to miss a busy moment of a shared
+    machine) of a 512^3 fp32 matmul, a 32 MiB copy, and a tiny add."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    matmul = 2 * 512**3 / _best(lambda: a @ b)
+    matmul = 2 * 512**3 / _best(lambda: a @ b, 20)
     src = torch.randn(8 * 2**20)
     dst = torch.empty_like(src)
-    bandwidth = 2 * src.nbytes / _best(lambda: dst.copy_(src))
+    bandwidth = 2 * src.nbytes / _best(lambda: dst.copy_(src), 20)
     x = torch.randn(8)
     overhead = _best(lambda: [x.add(1.0) for _ in range(100)]) / 100
     return matmul, bandwidth, overhead
 
 
 @cache
+def _measured_compiled_op(devices: int) -> float | None:
+    """Seconds a step of shoal's compiled runtime takes per op that every one of ``devices`` virtual
+    devices runs: the slope between compiled chains of 10 and 110 tiny adds on a mesh of ``devices``.
+    The devices' segments run on actor threads that share the cores and the GIL, so this is what one
+    op of a device's program adds to the step, all devices included; None without such a world."""
+    if not is_initialized() or world().size < devices:
+        return None
+    from ..graph.api import compile as compile_step  # the runtime, measured as the step runs on it
+
+    mesh = Mesh(list(range(devices)))
+    x = from_local({mesh.devices[i]: torch.ones(8) for i in mesh.local_positions}, mesh, Broadcast(), shape=(8,))
+
+    def seconds(k: int) -> float:
+        def chain(t):
+            for _ in range(k):
+                t = t + 1.0
+            return t
+        step = compile_step(chain)
+        return _best(lambda: step(x), 20)
+
+    return max(seconds(110) - seconds(10), 0.0) / 100
+
+
+@cache
 def _measured_all_reduce(devices: int) -> tuple[float, float] | None:
     """(alpha, bandwidth) of the ring formula fitted to shoal's own all-reduce (Partial -> Broadcast)
-    of a small and a large fp32 tensor over ``devices`` virtual devices; None without such a world."""
+    as the compiled runtime runs it, of a small and a large fp32 tensor over ``devices`` virtual
+    devices (the slope between steps of 1 and 5 all-reduces); None without such a world."""
     if devices < 2 or not is_initialized() or world().size < devices:
         return None
+    from ..graph.api import compile as compile_step
+
     mesh = Mesh(list(range(devices)))
 
     def seconds(n: int) -> float:
-        shards = {mesh.devices[i]: torch.ones(n) for i in mesh.local_positions}
-        x = from_local(shards, mesh, Partial("sum"), shape=(n,))
-        return _best(lambda: x.to_global(mesh, Broadcast()))
+        xs = [from_local({mesh.devices[i]: torch.ones(n) for i in mesh.local_positions}, mesh, Partial("sum"),
+                         shape=(n,)) for _ in range(5)]
+        step = compile_step(lambda *ts: [t.to_global(mesh, Broadcast()) for t in ts])
+        return max(_best(lambda: step(*xs), 10) - _best(lambda: step(xs[0]), 10), 0.0) / 4
 
     small, large, n = seconds(64), seconds(2**20), devices
     steps, share = 2 * (n - 1), 2 * (n - 1) / n
@@ -212,16 +241,19 @@ def _local(devices: int) -> Cluster:
     matmul, bandwidth, overhead = _measured()
     matmul, bandwidth = matmul / devices, bandwidth / devices
     alpha, link_bandwidth = _measured_all_reduce(devices) or (overhead, bandwidth)
+    # without a world of ``devices``: plain torch's per-op cost for each device, run one after another
+    overhead = _measured_compiled_op(devices) or overhead * devices
     return Cluster(
         name="local",
         devices=devices,
         # measured on this machine (``_measured``): virtual devices share its cores, each gets 1/devices
-        # of its rates while all compute at once, and runs its ops one after another (the overhead)
+        # of its rates while all compute at once; each op's runtime overhead is paid under the GIL, so
+        # it is the compiled runtime's per-op step time over all devices (``_measured_compiled_op``)
         flops={"fp32": matmul, "bf16": matmul, "fp16": matmul},
         memory=float("inf"),  # host memory; not a limit the search should hit
         hbm=bandwidth,
         # virtual devices' collectives are tensor copies in one process: the ring formula fitted to shoal's
-        # own all-reduce where the world has the devices, else a copy's bandwidth and a call's latency
+        # own compiled all-reduce where the world has the devices, else a copy's bandwidth and a call's latency
         links=(Link("copy", size=None, alpha=alpha, bandwidth=link_bandwidth),),
         gemm_efficiency=1.0,  # the measured rate already is the achievable one
         gemm_half=16.0,  # CPU kernels block by ~16 floats (AVX-512 width)

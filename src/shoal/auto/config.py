@@ -2,7 +2,7 @@
 
 Fields left None are free: ``search`` chooses them, ``resolved`` fills defaults. ``to_plan(mesh)``
 turns a configuration into the ``shoal.Plan`` and ``shoal.compile`` options of the bundled GPT,
-through the same code ``shoal train`` lays its plans out with.
+from the GPT's own plans (``models.gpt.plans``) on each pipeline stage's sub-mesh.
 """
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from .. import train as training
+from torch import nn
+
 from ..mesh import Mesh
+from ..models import gpt
 from ..parallel import Plan
+from ..parallel.balance import balance
+from ..sbp import B
 
 __all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS"]
 
@@ -100,43 +104,48 @@ class Parallel:
     def mesh_shape(self) -> tuple[int, ...]:
         """The mesh this configuration runs on, by the axes it uses: (pp, dp, tp) with unit axes dropped
         (dp kept when nothing else is)."""
-        sizes = [("pp", self.pp or 1), ("dp", self.dp or 1), ("tp", self.tp or 1)]
-        kept = [n for name, n in sizes if n > 1 or (name == "dp" and (self.pp or 1) == (self.tp or 1) == 1)]
-        return tuple(kept)
+        sizes = {"pp": self.pp or 1, "dp": self.dp or 1, "tp": self.tp or 1}
+        return tuple(sizes[a] for a in self.axes())
 
-    def to_plan(self, mesh: Mesh, batch: int | None = None) -> tuple[Plan, dict]:
+    def axes(self) -> tuple[str, ...]:
+        """The names of ``mesh_shape``'s axes."""
+        sizes = [("pp", self.pp or 1), ("dp", self.dp or 1), ("tp", self.tp or 1)]
+        return tuple(name for name, n in sizes if n > 1) or ("dp",)
+
+    def to_plan(self, mesh: Mesh, batch: int | None = None, model: nn.Module | None = None) -> tuple[Plan, dict]:
         """The bundled GPT's ``shoal.Plan`` for this configuration on ``mesh`` (shaped as ``mesh_shape``,
-        axes pp, dp, tp as used), and the ``shoal.compile`` options (micro-batches of a global ``batch``,
-        default two per stage; the schedule), laid out by the code ``shoal train --plan`` uses."""
+        axes ``axes()``), and the ``shoal.compile`` options (micro-batches of a global ``batch``,
+        default two per stage; the schedule). Each pipeline stage's sub-mesh gets the GPT's plan for
+        the axes left (dp, tp, both, or none: replicated); ``pp`` stages are cut by parameter count
+        (``stages="auto"``), ``pp x virtual_stages`` ones (interleaved) by ``shoal.parallel.balance``
+        of ``model``. Sequence parallelism is not laid out: the GPT's plans keep the activations
+        between blocks whole on tp (``search(runnable=True)`` never proposes it)."""
         cfg = self.resolved(math.prod(mesh.shape))
-        kind = _train_plan(cfg)
-        want = cfg.mesh_shape()
-        if tuple(mesh.shape) != want:
-            raise ValueError(f"Parallel {cfg}: needs a {'x'.join(map(str, want))} mesh (axes {kind}), got "
-                             f"{'x'.join(map(str, mesh.shape))}")
-        if cfg.virtual_stages > 1 or cfg.sequence_parallel:
-            raise ValueError(f"Parallel {cfg}: shoal's plans do not yet lay out virtual stages or sequence "
-                             f"parallelism; use v=1 and sp=false")
-        tc = training.TrainConfig(model="gpt", plan=kind, devices=math.prod(want), mesh=want,
-                                  checkpoint=("blocks.*",) if cfg.recompute == "full" else (),
-                                  precision=None if cfg.precision == "fp32" else cfg.precision)
-        made, plan = training._lay_out(tc, None, want)
-        if made != mesh:
-            raise ValueError(f"Parallel.to_plan: expected the mesh {made}, got {mesh}")
-        plan = dataclasses.replace(plan, zero=cfg.zero) if cfg.dp > 1 else plan
+        want, axes = cfg.mesh_shape(), cfg.axes()
+        if tuple(mesh.shape) != want or tuple(mesh.axes) != axes:
+            raise ValueError(f"Parallel {cfg}: needs a {'x'.join(map(str, want))} mesh with axes {axes}, got "
+                             f"{'x'.join(map(str, mesh.shape))} with axes {tuple(mesh.axes)}")
+        if cfg.sequence_parallel:
+            raise ValueError(f"Parallel {cfg}: shoal's GPT plans do not lay out sequence parallelism (the "
+                             f"activations between blocks stay whole on tp); use sp=false")
+        if cfg.pp == 1:
+            plan = gpt.plans(mesh, ",".join(axes))
+        else:
+            inner = gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:])) if len(axes) > 1 else Plan(inputs={"": ()})
+            layout = inner.inputs[""]
+            stages = "auto"
+            if cfg.virtual_stages > 1:
+                if model is None:
+                    raise ValueError(f"Parallel {cfg}: cutting {cfg.pp} x {cfg.virtual_stages} virtual stages "
+                                     f"needs the model; pass to_plan(mesh, model=...)")
+                stages = balance(model, cfg.pp * cfg.virtual_stages, cost="params")
+            plan = Plan(params=inner.params, inputs={"": (B, *(layout if isinstance(layout, tuple) else (layout,)))},
+                        stages=stages)
+        plan = dataclasses.replace(plan, checkpoint=("blocks.*",) if cfg.recompute == "full" else (),
+                                   precision=None if cfg.precision == "fp32" else cfg.precision,
+                                   zero=cfg.zero if cfg.dp > 1 else 0)
         micro_batches = batch // (cfg.dp * cfg.micro_batch) if batch else 2 * cfg.pp if cfg.pp > 1 else 1
         return plan, {"micro_batches": max(micro_batches, 1), "schedule": cfg.schedule}
-
-
-def _train_plan(cfg: Parallel) -> str:
-    """The ``shoal train --plan`` name of a resolved configuration's mesh."""
-    inner = "dp,tp" if cfg.tp > 1 and cfg.dp > 1 else "tp" if cfg.tp > 1 else "dp"
-    if cfg.pp > 1:
-        if inner == "tp" or (cfg.tp > 1 and cfg.dp == 1):
-            raise ValueError(f"Parallel {cfg}: a pipeline needs a data-parallel axis in shoal's plans (pp,dp or "
-                             f"pp,dp,tp); give dp >= 2")
-        return "pp,dp,tp" if cfg.tp > 1 else "pp,dp"
-    return inner
 
 
 def _value(key: str, text: str, whole: str):

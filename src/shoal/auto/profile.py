@@ -64,6 +64,8 @@ class Profile:
     head_params: int
     allreduces_forward: int  # tensor-parallel all-reduces per layer in forward (row-parallel outputs)
     allreduces_backward: int  # and in backward (inputs of column-parallel regions)
+    block_tensors: int = 0  # parameter tensors of one layer, and of the rest of the model
+    other_tensors: int = 0
 
 
 def gpt_config(model: nn.Module) -> gpt.GPTConfig:
@@ -204,12 +206,14 @@ def _profile(cfg: gpt.GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype)
             else "head"
 
     costs = tuple(OpCost(n, ph, place(w), w in split, f, b, g, o) for n, ph, w, f, b, g, o in ops.ops)
-    params = {k: sum(p.numel() for n, p in model.named_parameters() if place(n.rpartition(".")[0]) == k)
-              for k in ("block", "embed", "head")}
+    where = [(place(n.rpartition(".")[0]), p) for n, p in model.named_parameters()]
+    params = {k: sum(p.numel() for w, p in where if w == k) for k in ("block", "embed", "head")}
+    block_tensors = sum(w == "block" for w, _ in where)
     return Profile(costs, micro_batch * seq, saved.get("split", 0.0), saved.get("block", 0.0),
                    saved.get("head", 0.0), params["block"], params["embed"], params["head"],
                    allreduces_forward=sum(r.startswith("blocks.") for r in rows),
-                   allreduces_backward=sum(r.startswith("blocks.") for r in regions))
+                   allreduces_backward=sum(r.startswith("blocks.") for r in regions),
+                   block_tensors=block_tensors, other_tensors=len(where) - block_tensors)
 
 
 def profile(model: nn.Module, micro_batch: int, seq: int, dtype: torch.dtype = torch.bfloat16) -> Profile:

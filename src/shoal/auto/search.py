@@ -29,8 +29,11 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel | None = None) -> Iterator[Parallel]:
-    """Every complete configuration agreeing with ``fixed`` that the model and batch allow."""
+def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel | None = None,
+               runnable: bool = True) -> Iterator[Parallel]:
+    """Every complete configuration agreeing with ``fixed`` that the model and batch allow; with
+    ``runnable``, only those ``Parallel.to_plan`` lays out (no sequence parallelism unless ``fixed``
+    asks for it: the GPT's plans cannot express it yet)."""
     mcfg = gpt_config(model)
     f = (fixed or Parallel()).given()
     node = cluster.links[0].size or cluster.devices
@@ -43,7 +46,8 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
             for mb, sched, zero, rec, sp, prec in itertools.product(
                     pick("micro_batch", MICRO_BATCHES), pick("schedule", SCHEDULES if pp > 1 else ("1f1b",)),
                     pick("zero", (0, 1, 2, 3) if dp > 1 else (0,)), pick("recompute", RECOMPUTE),
-                    pick("sequence_parallel", (False, True) if tp > 1 else (False,)), pick("precision", ("bf16",))):
+                    pick("sequence_parallel", (False, True) if tp > 1 and not runnable else (False,)),
+                    pick("precision", ("bf16",))):
                 for v in pick("virtual_stages", VIRTUAL if sched == "interleaved" else (1,)):
                     cfg = Parallel(tp, pp, dp, mb, sched, zero, rec, sp, v, prec)
                     try:
@@ -54,14 +58,15 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
 
 
 def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = None,
-           fixed: Parallel | None = None) -> tuple[Parallel, Estimate]:
+           fixed: Parallel | None = None, runnable: bool = True) -> tuple[Parallel, Estimate]:
     """The fastest configuration that fits (``Estimate.runner_up``: the second); a clear error if none
-    fits, naming the closest."""
+    fits, naming the closest. ``runnable``: only plans shoal runs as is (``candidates``); False also
+    prices sequence parallelism, which the cost model knows but the GPT's plans do not lay out."""
     mcfg = gpt_config(model)
     seq = seq or mcfg.block_size
     best: list[Estimate] = []
     closest = None
-    for cfg in candidates(model, cluster, batch, fixed):
+    for cfg in candidates(model, cluster, batch, fixed, runnable):
         prof = profile(model, cfg.micro_batch, seq, DTYPES[cfg.precision])
         est = estimate(prof, mcfg, cluster, cfg, batch, seq, batch // (cfg.dp * cfg.micro_batch))
         if not est.fits:

@@ -29,6 +29,9 @@ _STATES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 # bytes an Adam update moves per parameter: read gradient, master, m, v; write master, m, v; (mixed
 # precision) write the low-precision weights
 _UPDATE = {"bf16": 30, "fp16": 30, "fp32": 28}
+# ops torch's single-tensor AdamW runs per parameter tensor (step += 1, weight decay, lerp of m, mul and
+# addcmul of v, sqrt, div, add eps, addcdiv): each pays the device's per-op overhead
+_ADAM_OPS = 9
 
 
 @dataclass
@@ -71,8 +74,9 @@ class Estimate:
                  f"count), model FLOPs {self.model_tflops_per_device:.1f} TFLOP/s, MFU {100 * self.mfu:.1f}%",
                  "  as shoal code:",
                  f"    mesh = shoal.Mesh(torch.arange({self.cluster.devices}).reshape{c.mesh_shape()}.tolist(), "
-                 f"axes=...)  # pp, dp, tp as used",
-                 f"    plan, options = auto.Parallel.parse({str(c)!r}).to_plan(mesh, batch={self.batch})",
+                 f"axes={c.axes()})",
+                 f"    plan, options = auto.Parallel.parse({str(c)!r}).to_plan(mesh, batch={self.batch}"
+                 + (", model=model)" if c.virtual_stages > 1 else ")"),
                  "  time per step:"]
         total = sum(self.breakdown.values())
         for k, v in sorted(self.breakdown.items(), key=lambda kv: -kv[1]):
@@ -233,7 +237,9 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
         dp_time = max(grads - overlap, 0.0)
         if c.zero == 3:  # weights gathered for every forward (and recomputation) and backward, per micro-batch
             dp_time += m * (3 if recompute else 2) * cluster.all_gather(params * w_bytes, c.dp, c.tp)
-    update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm
+    tensors = layers * prof.block_tensors + prof.other_tensors  # the last stage's (the embedding, tied, too)
+    update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm \
+        + tensors * _ADAM_OPS * cluster.op_overhead
     step = pipeline + dp_time + update
     breakdown = {"compute": m * stage_compute, "tensor-parallel comm": m * layers * per_layer_tp,
                  "pipeline send/recv": m * p2p, "pipeline bubble": pipeline - m * stage,
