@@ -186,6 +186,38 @@ def test_a_crash_before_publishing_leaves_the_last_checkpoint(tmp_path, monkeypa
     assert checkpoint.latest(tmp_path / "missing") is None
 
 
+KILLED_SAVE = """
+import os, signal, sys
+import torch
+import shoal
+from shoal import checkpoint
+shoal.init(devices=2)
+torch.manual_seed(0)
+model = shoal.distribute_module(torch.nn.Linear(4, 3), shoal.Mesh([0, 1]), None)
+checkpoint.save(sys.argv[1] + "/step-1", {"model": model, "step": 1})
+with torch.no_grad():
+    model.weight.add_(1.0)
+os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # killed once every shard is written
+checkpoint.save(sys.argv[1] + "/step-2", {"model": model, "step": 2})
+"""
+
+
+def test_a_process_killed_before_publishing_leaves_the_last_checkpoint(tmp_path):
+    """kill -9 between writing the shards and the rename that publishes them: the previous
+    checkpoint is the latest and loads; the partial one is never picked."""
+    p = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == -9, p.stdout + p.stderr
+    partial = [d for d in tmp_path.iterdir() if d.name != "step-1"]
+    assert partial and all(any(f.suffix == ".safetensors" for f in d.rglob("*")) for d in partial), partial
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-1"
+    torch.manual_seed(0)
+    want = torch.nn.Linear(4, 3)
+    model = shoal.distribute_module(torch.nn.Linear(4, 3), shoal.Mesh([0, 1]), None)
+    assert checkpoint.load(tmp_path / "step-1", {"model": model}).values == {"step": 1}
+    assert_same_value(model.weight.detach(), want.weight.detach(), rtol=0, atol=0)
+
+
 def test_keep_and_overwrite(tmp_path):
     model, _ = laid_out("dp")
     for step in (1, 2, 3):
