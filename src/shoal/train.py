@@ -30,7 +30,6 @@ from .graph.api import compile as compile_step
 from .mesh import Mesh
 from .models import bert, gpt, kinds, resnet
 from .parallel import Plan, distribute_module, memory_per_device
-from .sbp import B
 from .tensor import GlobalTensor
 from .world import init, is_initialized, world
 
@@ -158,11 +157,8 @@ def _lay_out(cfg: TrainConfig, model: nn.Module, shape: tuple[int, ...]) -> tupl
     ids = torch.arange(cfg.devices).reshape(shape).tolist()
     if cfg.plan in PIPELINED:
         mesh = Mesh(ids, axes=cfg.plan.split(","))
-        inner = MODELS[cfg.model].plans(mesh.submesh(pp=0), _stage_kind(cfg.plan))
-        batch = inner.inputs[""]
-        plan = Plan(params=inner.params, inputs={"": (B, *(batch if isinstance(batch, tuple) else (batch,)))},
-                    stages="auto", checkpoint=tuple(cfg.checkpoint), precision=cfg.precision)
-        return mesh, plan
+        plan = MODELS[cfg.model].plans(mesh.submesh(pp=0), _stage_kind(cfg.plan)).staged("auto")
+        return mesh, dataclasses.replace(plan, checkpoint=tuple(cfg.checkpoint), precision=cfg.precision)
     names = ("dp", "tp") if len(shape) == 2 else ("tp",) if cfg.plan == "tp" else ("dp",)
     mesh = Mesh(ids, axes=names)
     plan = MODELS[cfg.model].plans(mesh, cfg.plan)

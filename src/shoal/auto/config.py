@@ -17,7 +17,6 @@ from ..mesh import Mesh
 from ..models import gpt
 from ..parallel import Plan
 from ..parallel.balance import balance
-from ..sbp import B
 
 __all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS"]
 
@@ -131,16 +130,14 @@ class Parallel:
         if cfg.pp == 1:
             plan = gpt.plans(mesh, ",".join(axes))
         else:
-            inner = gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:])) if len(axes) > 1 else Plan(inputs={"": ()})
-            layout = inner.inputs[""]
+            inner = gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:])) if len(axes) > 1 else Plan()
             stages = "auto"
             if cfg.virtual_stages > 1:
                 if model is None:
                     raise ValueError(f"Parallel {cfg}: cutting {cfg.pp} x {cfg.virtual_stages} virtual stages "
                                      f"needs the model; pass to_plan(mesh, model=...)")
                 stages = balance(model, cfg.pp * cfg.virtual_stages, cost="params")
-            plan = Plan(params=inner.params, inputs={"": (B, *(layout if isinstance(layout, tuple) else (layout,)))},
-                        stages=stages)
+            plan = inner.staged(stages)
         plan = dataclasses.replace(plan, checkpoint=("blocks.*",) if cfg.recompute == "full" else (),
                                    precision=None if cfg.precision == "fp32" else cfg.precision,
                                    zero=cfg.zero if cfg.dp > 1 else 0)

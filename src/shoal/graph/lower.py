@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..comm.dist import open_channels
 from ..world import world
 from .ir import Graph, Op, Ref, local_ids
 from .trace import DEVICE
@@ -157,7 +158,6 @@ def lower(g: Graph, backend: str | None = None, pipelined: bool = False) -> Lowe
             producer[lid] = t.id
 
     if transfers:
-        from ..comm.dist import open_channels
         open_channels({pair: n + 1 for pair, n in transfers.items()})
 
     # state a piece leaves behind is what the next piece reads

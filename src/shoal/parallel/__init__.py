@@ -54,6 +54,14 @@ class Plan:
     precision: object = None  # None (the module's dtypes), "bf16", "fp16" or a Precision
     checkpoint: Sequence[str] = ()  # module name patterns whose activations are recomputed in backward
 
+    def staged(self, stages: Mapping[str, int] | str) -> Plan:
+        """A plan for the whole mesh with a stage axis in front, from this one written for one stage's
+        sub-mesh: its parameter layouts (they name the other axes), the module's batch Broadcast over
+        the stage axis, and ``stages``; nothing else of it is carried."""
+        batch = self.inputs.get("", ())
+        return Plan(params=self.params, inputs={"": (Broadcast(), *(batch if isinstance(batch, tuple) else (batch,)))},
+                    stages=stages)
+
 
 def distribute_module(
     module: nn.Module,
