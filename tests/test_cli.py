@@ -85,9 +85,22 @@ def test_world_error():
     assert cli.world_error(TrainConfig(devices=4), 1, 1) is None
 
 
+def test_devices_auto_needs_processes_to_count(capsys):
+    assert cli.main(["train", "gpt", "--devices", "auto", "--steps", "1"]) == 2
+    assert "--devices auto counts the devices of the processes shoal run starts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["train", "gpt", "--devices", "0"])
+    assert "expected a positive number or 'auto'" in capsys.readouterr().err
+
+
 def test_check_launch_only_looks_at_shoal_train():
     assert cli.check_launch("script.py", False, ["train", "gpt"], 2, 1) is None
-    assert cli.check_launch("shoal", True, ["train", "gpt"], None, 1) is None  # processes unknown (--nnodes 1:2)
+    # processes known only when they start (--nnodes 1:2): the device count must follow them
+    assert "--devices auto" in cli.check_launch("shoal", True, ["train", "gpt"], None, 1)
+    assert cli.check_launch("shoal", True, ["train", "gpt", "--devices", "auto"], None, 1) is None
+    assert cli.check_launch("shoal", True, ["train", "gpt", "--devices", "auto"], 2, 2) is None
+    assert "mesh 2x2 has 4 devices" in cli.check_launch("shoal", True, ["train", "gpt", "--devices", "auto",
+                                                                         "--mesh", "2x2"], 3, 1)
     assert cli.check_launch("shoal", True, ["train", "gpt"], 2, 1) is not None
     assert cli.check_launch("shoal", True, ["train", "gpt", "--devices", "2"], 2, 1) is None
 

@@ -36,6 +36,20 @@ def _mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _devices(text: str) -> int:
+    """A positive device count, or ``auto`` (0): every device of the processes ``shoal run`` starts,
+    whose number an elastic world (``--nnodes min:max``) knows only when it starts."""
+    if text == "auto":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"devices {text!r}: expected a positive number or 'auto'")
+    return n
+
+
 def _setting(text: str) -> tuple[str, str]:
     key, eq, value = text.partition("=")
     if not eq or not key:
@@ -56,7 +70,8 @@ def parser() -> argparse.ArgumentParser:
         "and losses.json into the run directory.",
     )
     t.add_argument("model", choices=list(training.MODELS), metavar="MODEL", help="gpt, bert or resnet")
-    t.add_argument("--devices", type=int, default=d.devices, help="virtual devices (default %(default)s)")
+    t.add_argument("--devices", type=_devices, default=d.devices, help="virtual devices, or auto: every device of "
+                   "the processes shoal run starts, as an elastic world (--nnodes min:max) needs (default %(default)s)")
     t.add_argument("--mesh", type=_mesh, help="mesh shape, e.g. 4 or 2x2 (default: --devices, 2xN for dp,tp)")
     t.add_argument(
         "--plan",
@@ -196,9 +211,14 @@ def _config(args: argparse.Namespace) -> training.TrainConfig:
     return training.TrainConfig(**{**given, "model_args": dict(args.model_args)})
 
 
-def world_error(cfg: training.TrainConfig, processes: int, per_process: int | None) -> str | None:
+def world_error(cfg: training.TrainConfig, processes: int | None, per_process: int | None) -> str | None:
     """What is wrong with training ``cfg`` on ``processes`` processes of ``per_process`` devices each
-    (None: as many as divide ``cfg.devices`` evenly, plain torchrun), or None if nothing is."""
+    (None: as many as divide ``cfg.devices`` evenly, plain torchrun; processes None: a number known
+    only when they start), or None if nothing is."""
+    if processes is None:
+        return None if cfg.devices == 0 else (
+            f"--devices {cfg.devices} is fixed, but an elastic world (--nnodes min:max) may come back with fewer or "
+            f"more processes; give --devices auto")
     if cfg.plan == "none" or processes <= 1:
         return None
     if per_process is not None and cfg.devices != processes * per_process:
@@ -219,11 +239,19 @@ def check_launch(script: str, module: bool, args: list[str], processes: int | No
         return None
     ns = parser().parse_args(args)  # a usage error exits here, with argparse's message
     cfg = _config(ns)
+    if processes is None:
+        return world_error(cfg, None, per_process)
+    cfg = _resolved(cfg, processes, per_process)
     try:
         training.check(cfg)
     except ValueError as e:
         return str(e)
-    return None if processes is None else world_error(cfg, processes, per_process)
+    return world_error(cfg, processes, per_process)
+
+
+def _resolved(cfg: training.TrainConfig, processes: int, per_process: int | None) -> training.TrainConfig:
+    """``cfg`` with ``--devices auto`` made the devices of ``processes`` processes."""
+    return dataclasses.replace(cfg, devices=processes * (per_process or 1)) if cfg.devices == 0 else cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,12 +273,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, progress=False, save=False)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of this process
     try:
-        training.check(cfg)
         if "RANK" in os.environ:  # under shoal run / torchrun: the devices must fit the processes
             per_process = int(os.environ.get("SHOAL_DEVICES_PER_PROCESS", "0")) or None
+            cfg = _resolved(cfg, int(os.environ.get("WORLD_SIZE", "1")), per_process)
             problem = world_error(cfg, int(os.environ.get("WORLD_SIZE", "1")), per_process)
             if problem:
                 raise ValueError(problem)
+        elif cfg.devices == 0:
+            raise ValueError("--devices auto counts the devices of the processes shoal run starts; give a number "
+                             "to train in this process")
+        training.check(cfg)
     except ValueError as e:
         if rank == 0:  # every rank finds the same mistake: say it once
             print(f"shoal train: error: {e}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 ``shoal run -n 2 --devices-per-process 2 script.py args...`` runs torch.distributed.run with
 ``--nproc-per-node 2`` and ``SHOAL_DEVICES_PER_PROCESS=2``; torchrun's multi-node options pass
-through (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--max-restarts``, ``--master-port``).
+through (``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-conf``, ``--max-restarts``,
+``--master-port``; under ``--nnodes min:max`` give ``shoal train --devices auto``).
 When a process fails, torchrun stops the others and names the failed rank ("Root Cause"). A
 ``check`` given to ``main`` (the ``shoal`` command's, for ``-m shoal train``) runs first: a mistake
 in the arguments is one line and exit status 2, before any process starts.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 __all__ = ["main", "build_command"]
 
-_PASS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--max-restarts",
+_PASS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--rdzv-conf", "--max-restarts",
          "--master-addr", "--master-port", "--monitor-interval")
 
 
@@ -61,6 +62,12 @@ def build_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     cmd += [a.script, *a.args]
     env = dict(os.environ, SHOAL_DEVICES_PER_PROCESS=str(a.devices_per_process))
     env.setdefault("OMP_NUM_THREADS", "1")
+    if _processes(a) is None:
+        # A node joining a running elastic world re-forms it in a new rendezvous round, whose
+        # store keys the agent that stays rank 0 never writes when it shares its TCPStore with the
+        # workers (torch reuses the first round's bootstrap info): the joiner would wait forever.
+        # Unshared, every round's rank-0 worker hosts a fresh store.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return cmd, env
 
 

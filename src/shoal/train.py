@@ -338,11 +338,19 @@ def _resume(cfg: TrainConfig, model: nn.Module, opt, schedule, gen: torch.Genera
 
 def _injected_fault(step: int) -> None:
     """For tests of restarts: ``SHOAL_FAULT_AT=<step>:<rank>`` kills that rank (SIGKILL, as ``kill -9``)
-    when it reaches that step in a run's first attempt (torchrun's restart count 0)."""
+    when it reaches that step in a run's first attempt (torchrun's restart count 0);
+    ``<step>:<rank>:node`` kills its torchrun agent first, as a node lost whole; ``<step>:<rank>:hold``
+    holds that rank there while its world has one process (until a node joins and torchrun restarts it)."""
     spec = os.environ.get("SHOAL_FAULT_AT")
     if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        at, rank = (int(v) for v in spec.split(":"))
-        if step == at and world().rank == rank:
+        at, rank, *how = spec.split(":")
+        if step == int(at) and world().rank == int(rank):
+            if how == ["hold"]:
+                while world().processes == 1:
+                    time.sleep(1)
+                return
+            if how == ["node"]:
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -396,7 +404,7 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
         if w.processes > 1:
             devices = f"{w.processes} processes x {k} {kind} device{'s' if k > 1 else ''} each"
         else:
-            devices = f"{cfg.devices} {kind} devices"
+            devices = f"{cfg.devices} {kind} device{'s' if cfg.devices > 1 else ''}"
         where = f"plan {cfg.plan} on mesh {'x'.join(map(str, shape))} ({devices})"
         where += ", each step a compiled graph" if cfg.compile or cfg.micro_batches > 1 else ", eager"
         if cfg.micro_batches > 1:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["World", "init", "world", "is_initialized", "shutdown", "FAILED_KEY"]
+__all__ = ["World", "init", "world", "is_initialized", "shutdown", "FAILED_KEY", "ALIVE_KEY", "HEARTBEAT"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,11 +175,58 @@ def _attempt_store(rank: int, processes: int, timeout):
 
     store, _, _ = next(dist.rendezvous("env://", rank, processes, timeout=timeout))
     store.set_timeout(timeout)
-    return dist.PrefixStore(f"shoal/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"shoal/attempt-{_attempt(store, rank, processes, timeout)}", store)
+
+
+def _attempt(store, rank: int, processes: int, timeout) -> int:
+    """A number every process of this attempt agrees on and no earlier attempt of the job used.
+
+    torchrun's restart count is not one: an agent that joins later (a node added or replaced under
+    ``--nnodes min:max``) counts from 0 while the others do not, and a restart for a change of
+    membership counts nothing. So rank 0 draws the next number from the job's store and serves it
+    from a store of its own, which lives no longer than this attempt's rank 0: the address an
+    earlier attempt left names a dead server, and the others retry until rank 0 replaces it."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    n = store.add("shoal/attempts", 1) if rank == 0 else None
+    if processes == 1:
+        return n
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        own = dist.TCPStore(host, 0, None, True, timeout, wait_for_workers=False)
+        own.set("attempt", str(n))
+        store.set("shoal/attempt-at", f"{host}:{own.port}")
+        while own.add("read", 0) < processes - 1:  # serve until every other rank has the number
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shoal.init: rank 0 waited {timeout} for the other {processes - 1} ranks of "
+                                   f"this attempt to start (see SHOAL_TIMEOUT)")
+            time.sleep(0.01)
+        return n
+    while True:
+        host, port = store.get("shoal/attempt-at").decode().rsplit(":", 1)
+        try:
+            own = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=2))
+            n = int(own.get("attempt"))
+            own.add("read", 1)
+            return n
+        except (RuntimeError, TimeoutError, ValueError, OSError):  # an earlier attempt's rank 0: gone
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shoal.init: rank {rank} found no rank 0 of this attempt at {host}:{port} "
+                                   f"within {timeout} (see SHOAL_TIMEOUT)") from None
+            time.sleep(0.05)
 
 
 # where a process that fails reports its error (the rendezvous store), for the others' messages
 FAILED_KEY = "shoal/failed/{}"
+# a counter each process advances every HEARTBEAT seconds while it lives: a process killed outright
+# (SIGKILL, a lost node) reports nothing, and the others name it by its counter standing still
+ALIVE_KEY = "shoal/alive/{}"
+HEARTBEAT = 0.5
+_BEAT: list = []  # the heartbeat's stop event and thread, while one runs
 
 
 def _install_failure_report(rank: int) -> None:
@@ -198,6 +245,27 @@ def _install_failure_report(rank: int) -> None:
         prev(tp, val, tb)
 
     sys.excepthook = hook
+    _start_heartbeat(rank)
+
+
+def _start_heartbeat(rank: int) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(HEARTBEAT):
+            try:
+                store.add(ALIVE_KEY.format(rank), 1)
+            except Exception:  # noqa: BLE001 - the store went with its host: nobody is listening
+                return
+
+    t = threading.Thread(target=beat, name="shoal-heartbeat", daemon=True)
+    t.start()
+    _BEAT[:] = [stop, t]
 
 
 def shutdown() -> None:
@@ -209,6 +277,10 @@ def shutdown() -> None:
 
     import torch.distributed as dist
 
+    if _BEAT:
+        _BEAT[0].set()
+        _BEAT[1].join()
+        _BEAT.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()  # the groups' last references may sit in cycles: free them (joining their threads) now

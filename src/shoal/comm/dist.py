@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..world import FAILED_KEY, world
+from ..world import ALIVE_KEY, FAILED_KEY, HEARTBEAT, world
 
 __all__ = ["all_reduce", "gather_along", "send", "recv", "groups_made", "open_channels"]
 
@@ -99,16 +99,34 @@ def failed_ranks() -> dict[int, str]:
         return {}
 
 
+def silent_ranks(ranks: Sequence[int]) -> list[int]:
+    """The ranks among ``ranks`` (not this one) whose heartbeat stood still for four beats: killed
+    outright (SIGKILL, a lost node) or hung. Takes about two seconds; for error messages."""
+    import time
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        others = [r for r in ranks if r != dist.get_rank()]
+        before = [store.add(ALIVE_KEY.format(r), 0) for r in others]
+        time.sleep(4 * HEARTBEAT)
+        return [r for r, b in zip(others, before, strict=True) if store.add(ALIVE_KEY.format(r), 0) == b]
+    except Exception:  # noqa: BLE001 - the store may be gone with the failed rank
+        return []
+
+
 def _guarded(what: str, ranks, fn):
     try:
         return fn()
     except Exception as e:  # a peer died, raised, or timed out
         failed = failed_ranks()
-        who = (
-            "; ".join(f"rank {r} failed: {m}" for r, m in sorted(failed.items()))
-            if failed
-            else "a peer process exited or stopped answering within the timeout"
-        )
+        silent = [] if failed else silent_ranks(ranks)
+        if failed:
+            who = "; ".join(f"rank {r} failed: {m}" for r, m in sorted(failed.items()))
+        elif silent:
+            who = (f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} stopped answering (killed, lost "
+                   f"with its node, or hung: its heartbeat stopped)")
+        else:
+            who = "a peer process exited or stopped answering within the timeout"
         raise RuntimeError(
             f"shoal: {what} over ranks {list(ranks)} failed on rank {dist.get_rank()}: {who}"
         ) from e
