@@ -17,6 +17,7 @@ from ..parallel.precision import keeping_host_state, skipped_step
 from ..tensor import GlobalTensor
 from ..world import world
 from . import pipeline
+from .batch import batch_tasks
 from .capture import capture, function_key, globals_key, guard_key, leaves
 from .ir import Graph, Ref, Value, local_ids
 from .lower import LoweredPlan, lower
@@ -38,10 +39,13 @@ class CompiledStep:
     float averaged over micro-batches (summed for ``"sum"``), other tensors concatenated.
     ``pieces`` P > 1 instead runs the whole step (optimizer included) on each of P pieces in turn,
     several in flight, state carried from piece to piece, and returns the P results.
+    ``batch``: the devices' identical compute segments run as one batched task (``graph.batch``;
+    not in pipelined steps).
     """
 
     def __init__(self, fn, backend: str | None = None, micro_batches: int = 1, registers: int = 2,
-                 passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1) -> None:
+                 passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1,
+                 batch: bool = False) -> None:
         if backend not in (None, "inductor"):
             raise ValueError(f"shoal.compile: unknown backend {backend!r}; use None or 'inductor'")
         if micro_batches < 1 or pieces < 1:
@@ -57,7 +61,7 @@ class CompiledStep:
         schedules.schedule(schedule, 2, 2, 2 if schedule == "interleaved" else 1)  # an unknown name fails here
         self.fn, self.backend, self.micro_batches, self.pieces = fn, backend, micro_batches, pieces
         self.schedule, self.loss = schedule, loss
-        self.registers, self.passes = registers, passes
+        self.registers, self.passes, self.batch = registers, passes, batch
         self._cache: dict = {}
         self._last = None
         self._pipes: dict = {}  # body graph id -> (Calls, params, tail function)
@@ -149,6 +153,8 @@ class CompiledStep:
             # not worth an inductor compile, and not to be repeated for the next micro-batch
             creates = any(s.before is None and s.after is not None for s in g.slots)
             plan = lower(g, None if creates else self.backend, pipelined=pipe is not None)
+            if self.batch and pipe is None and not creates:
+                batch_tasks(plan)
             if pipe is not None and stages is not None:
                 orders, registers = pipeline.device_orders(plan, stages, self.schedule, self.micro_batches)
                 pipeline.plan_memory(plan, orders, stages)
@@ -273,12 +279,13 @@ def _reducers(objs) -> list:
 
 
 def compile(fn=None, *, backend: str | None = None, micro_batches: int = 1, registers: int = 2,  # noqa: A001
-            passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1):
+            passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1,
+            batch: bool = False):
     """Compile a step (forward, backward, optimizer) into a static graph run on the actor runtime.
     Use as ``@shoal.compile`` or ``shoal.compile(fn, micro_batches=8, schedule="1f1b")``
     (``CompiledStep`` says what the options mean)."""
     opts = dict(backend=backend, micro_batches=micro_batches, registers=registers, passes=passes,
-                schedule=schedule, loss=loss, pieces=pieces)
+                schedule=schedule, loss=loss, pieces=pieces, batch=batch)
     if fn is None:
         return lambda f: CompiledStep(f, **opts)
     return CompiledStep(fn, **opts)

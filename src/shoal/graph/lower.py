@@ -382,7 +382,12 @@ def _codegen(t: Task, g: Graph):
     t.source = "\n".join(lines)
     exec(compile(t.source, f"<shoal {t.name}>", "exec"), glb)  # noqa: S102 - our own generated code
     seg = glb["seg"]
-    return lambda ins: seg(*ins)
+
+    def run(ins):
+        return seg(*ins)
+
+    run.seg = seg  # the batched form is made from it (``batch``)
+    return run
 
 
 def _assign(outs, call: str) -> list[str]:
