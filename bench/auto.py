@@ -91,7 +91,10 @@ def local(steps: int) -> None:
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
     print(f"\nbundled GPT ({cfg}), batch {batch}, 4 virtual CPU devices, compiled step, "
           f"torch.set_num_threads({THREADS}); local preset: {cluster.flops['fp32'] / 1e9:.1f} GFLOP/s, "
-          f"{cluster.hbm / 1e9:.1f} GB/s, {cluster.op_overhead * 1e6:.1f} us/op per device")
+          f"{cluster.hbm / 1e9:.1f} GB/s, {cluster.op_overhead * 1e6:.1f} us/op per device; a collective "
+          f"{cluster.links[0].alpha * 1e6:.0f} us + its sums and copies at "
+          f"{cluster.links[0].bandwidth / 1e9:.1f} GB/s; "
+          f"tp plans priced by the collectives shoal compiles for them (auto.census)")
     # the search proposes only plans shoal runs as is (runnable=True: no sequence parallelism); fp32 on CPU
     found, _ = auto.search(model_meta, cluster, batch=batch, fixed=auto.Parallel(precision="fp32"))
     runs = {"searched": (found, found.mesh_shape(), found.axes())}

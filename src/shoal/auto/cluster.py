@@ -17,6 +17,7 @@ from functools import cache
 import torch
 
 from ..mesh import Mesh
+from ..runtime import _cores, _share
 from ..sbp import Broadcast, Partial
 from ..tensor import from_local
 from ..world import is_initialized, world
@@ -28,12 +29,15 @@ __all__ = ["Link", "Cluster", "ring_all_reduce", "PRESETS"]
 class Link:
     """One level of the interconnect: ``size`` devices share it (a node of 8 for NVLink; None: every
     device, the top level); ``alpha`` seconds per message step; ``bandwidth`` bytes/s each device
-    sends (and receives) at once on this level, already scaled by the achievable fraction."""
+    sends (and receives) at once on this level, already scaled by the achievable fraction.
+    ``in_process``: the devices are one process's (virtual devices): a collective is tensor work there
+    (sums, concatenations) whose memory traffic moves at ``bandwidth``, after ``alpha`` per collective."""
 
     name: str
     size: int | None
     alpha: float
     bandwidth: float
+    in_process: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,9 @@ class Cluster:
     innermost first. ``gemm_efficiency``: the fraction of peak a large matrix multiply reaches;
     ``gemm_half``: the GEMM dimension at which a dimension's tile/wave losses halve the rate (the
     smooth curve ``d / (d + gemm_half)`` per output dimension); ``op_overhead``: seconds per kernel;
-    ``fuse``: chains of memory-bound ops run as one kernel (GPU: Megatron-LM's fused kernels, inductor)."""
+    ``fuse``: chains of memory-bound ops run as one kernel (GPU: Megatron-LM's fused kernels, inductor);
+    ``census``: tensor parallelism runs the collectives shoal's dispatch picks (``auto.census``, read off
+    the compiled step on this process's devices), not Megatron-LM's two all-reduces per layer each way."""
 
     name: str
     devices: int
@@ -55,12 +61,15 @@ class Cluster:
     gemm_half: float
     op_overhead: float
     fuse: bool = False
+    census: bool = False
 
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ValueError(f"Cluster: devices must be at least 1, got {self.devices}")
         if not self.links or self.links[-1].size is not None:
             raise ValueError("Cluster: links must end with a level spanning every device (size=None)")
+        if any(link.in_process for link in self.links) and len(self.links) > 1:
+            raise ValueError("Cluster: a level of devices in one process (in_process=True) must be the only level")
 
     @staticmethod
     def preset(name: str, devices: int) -> Cluster:
@@ -95,7 +104,9 @@ class Cluster:
     def all_reduce(self, nbytes: float, n: int, stride: int = 1) -> float:
         """Seconds to all-reduce ``nbytes`` over ``n`` devices ``stride`` apart: hierarchical (reduce-
         scatter inside each level, all-reduce of the shard above, all-gather back), each level by the
-        faster of ring and tree."""
+        faster of ring and tree; in one process (``Link.in_process``) the sums of the shards."""
+        if self.links[-1].in_process:
+            return _in_process("all_reduce", nbytes, n, self.links[-1])
         t, size = 0.0, float(nbytes)
         for link, k in self.levels(n, stride):
             t += min(ring_all_reduce(size, k, link), _tree_all_reduce(size, k, link))
@@ -104,14 +115,51 @@ class Cluster:
 
     def reduce_scatter(self, nbytes: float, n: int, stride: int = 1) -> float:
         """Seconds to reduce-scatter ``nbytes`` (the whole tensor) over the group: half a ring all-reduce."""
-        return self.all_reduce(nbytes, n, stride) / 2
+        return self.collective("reduce_scatter", nbytes, n, stride)
 
-    all_gather = reduce_scatter  # the same bytes on the same links, in the other direction
+    def all_gather(self, nbytes: float, n: int, stride: int = 1) -> float:
+        """Seconds to all-gather ``nbytes`` (the whole tensor): the bytes of a reduce-scatter, the other way."""
+        return self.collective("all_gather", nbytes, n, stride)
+
+    def all_to_all(self, nbytes: float, n: int, stride: int = 1) -> float:
+        """Seconds to re-split ``nbytes`` (the whole tensor) over the group: each device keeps 1/n of
+        its shard and sends the rest, n - 1 steps of an all-gather of the shard."""
+        return self.collective("all_to_all", nbytes, n, stride)
+
+    def collective(self, kind: str, nbytes: float, n: int, stride: int = 1) -> float:
+        """Seconds of one of ``shoal.comm``'s collectives by its name, over ``nbytes`` (the whole tensor)."""
+        if kind not in _TRAFFIC:
+            raise ValueError(f"cluster {self.name!r}: no price for collective {kind!r}; it prices "
+                             f"{', '.join(_TRAFFIC)}")
+        if self.links[-1].in_process:
+            return _in_process(kind, nbytes, n, self.links[-1])
+        if kind == "transfer":
+            return self.send_recv(nbytes, across=False)
+        if kind == "all_to_all":
+            nbytes, kind = nbytes / n, "all_gather"
+        return self.all_reduce(nbytes, n, stride) * (1 if kind == "all_reduce" else 0.5)
 
     def send_recv(self, nbytes: float, across: bool) -> float:
         """Seconds to send ``nbytes`` to a neighbour, inside the innermost level or (``across``) over the top one."""
         link = self.links[-1] if across else self.links[0]
+        if link.in_process:
+            return _in_process("transfer", nbytes, 2, link)
         return link.alpha + nbytes / link.bandwidth
+
+
+# bytes of memory a collective in one process reads and writes, in units of the whole tensor, over n
+# devices (``shoal.comm`` on one process: a reduction adds the shards one by one, each sum reading two
+# tensors and writing one, and every device shares the result; a gather concatenates, a transfer copies)
+_TRAFFIC = {"all_reduce": lambda n: 3 * (n - 1), "reduce_scatter": lambda n: 3 * (n - 1),
+            "all_gather": lambda n: 2, "all_to_all": lambda n: 2, "transfer": lambda n: 2}
+
+
+def _in_process(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a collective that is tensor work in one process: ``alpha`` (the call and the hand-offs
+    between the devices' threads and the collective's) plus its memory traffic at ``bandwidth``."""
+    if n <= 1:
+        return 0.0
+    return link.alpha + _TRAFFIC[kind](n) * nbytes / link.bandwidth
 
 
 def ring_all_reduce(nbytes: float, n: int, link: Link) -> float:
@@ -176,18 +224,34 @@ def _best(fn, reps: int = 5) -> float:
 
 
 @cache
-def _measured() -> tuple[float, float, float]:
-    """(matmul FLOP/s, memory bandwidth bytes/s, seconds per op) of this machine's CPU at torch's
-    thread count: the best of 20 runs (a fraction of a second: enough to miss a busy moment of a shared
-    machine) of a 512^3 fp32 matmul, a 32 MiB copy, and a tiny add."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    matmul = 2 * 512**3 / _best(lambda: a @ b, 20)
-    src = torch.randn(8 * 2**20)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.nbytes / _best(lambda: dst.copy_(src), 20)
-    x = torch.randn(8)
-    overhead = _best(lambda: [x.add(1.0) for _ in range(100)]) / 100
+def _measured(threads: int) -> tuple[float, float, float]:
+    """(matmul FLOP/s, memory bandwidth bytes/s, seconds per op) of this machine's CPU on ``threads``
+    intra-op threads: the best of 20 runs (a fraction of a second: enough to miss a busy moment of a
+    shared machine) of a 512^3 fp32 matmul, a 32 MiB copy, and a tiny add."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        matmul = 2 * 512**3 / _best(lambda: a @ b, 20)
+        src = torch.randn(8 * 2**20)
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.nbytes / _best(lambda: dst.copy_(src), 20)
+        x = torch.randn(8)
+        overhead = _best(lambda: [x.add(1.0) for _ in range(100)]) / 100
+    finally:
+        torch.set_num_threads(before)
     return matmul, bandwidth, overhead
+
+
+def _device_rates(devices: int) -> tuple[float, float, float]:
+    """(matmul FLOP/s, bandwidth, plain torch's seconds per op) of one of ``devices`` virtual devices
+    computing at once: the runtime runs each device's kernels on its share of the caller's intra-op
+    threads (``runtime._share``), as many devices at once as the cores hold them, so each gets that
+    share's measured rate times the devices running at once over the devices."""
+    share = _share(torch.get_num_threads(), min(devices, _cores()))
+    matmul, bandwidth, overhead = _measured(share)
+    at_once = min(devices, max(1, _cores() // share))
+    return matmul * at_once / devices, bandwidth * at_once / devices, overhead
 
 
 @cache
@@ -216,48 +280,60 @@ def _measured_compiled_op(devices: int) -> float | None:
 
 @cache
 def _measured_all_reduce(devices: int) -> tuple[float, float] | None:
-    """(alpha, bandwidth) of the ring formula fitted to shoal's own all-reduce (Partial -> Broadcast)
-    as the compiled runtime runs it, of a small and a large fp32 tensor over ``devices`` virtual
-    devices (the slope between steps of 1 and 5 all-reduces); None without such a world."""
+    """(alpha, bandwidth) of ``_in_process`` fitted to shoal's own all-reduce (Partial -> Broadcast) as
+    the compiled runtime runs it between the devices' work: the slope between steps of 1 and 11 rounds
+    of an all-reduce and the op making its result partial again (one per device, less its
+    ``_measured_compiled_op``), of a small and a 1 MiB fp32 tensor over ``devices`` virtual devices;
+    None without such a world."""
     if devices < 2 or not is_initialized() or world().size < devices:
         return None
     from ..graph.api import compile as compile_step
 
     mesh = Mesh(list(range(devices)))
+    op = _measured_compiled_op(devices)
 
     def seconds(n: int) -> float:
-        xs = [from_local({mesh.devices[i]: torch.ones(n) for i in mesh.local_positions}, mesh, Partial("sum"),
-                         shape=(n,)) for _ in range(5)]
-        step = compile_step(lambda *ts: [t.to_global(mesh, Broadcast()) for t in ts])
-        return max(_best(lambda: step(*xs), 10) - _best(lambda: step(xs[0]), 10), 0.0) / 4
+        x = from_local({mesh.devices[i]: torch.ones(n) for i in mesh.local_positions}, mesh, Partial("sum"),
+                       shape=(n,))
 
-    small, large, n = seconds(64), seconds(2**20), devices
-    steps, share = 2 * (n - 1), 2 * (n - 1) / n
-    bandwidth = share * (2**22 - 256) / max(large - small, 1e-9)
-    return max(small - share * 256 / bandwidth, 0.0) / steps, bandwidth
+        def rounds(k: int):
+            def chain(t):
+                for _ in range(k):
+                    t = t.to_global(mesh, Broadcast()).to_global(mesh, Partial("sum"))
+                return t
+            step = compile_step(chain)
+            return _best(lambda: step(x), 30)
+
+        return max((rounds(11) - rounds(1)) / 10 - op, 0.0)
+
+    small, large = seconds(64), seconds(2**18)
+    traffic = _TRAFFIC["all_reduce"](devices) * 4
+    bandwidth = traffic * (2**18 - 64) / max(large - small, 1e-9)
+    return max(small - traffic * 64 / bandwidth, 0.0), bandwidth
 
 
 def _local(devices: int) -> Cluster:
-    matmul, bandwidth, overhead = _measured()
-    matmul, bandwidth = matmul / devices, bandwidth / devices
-    alpha, link_bandwidth = _measured_all_reduce(devices) or (overhead, bandwidth)
-    # without a world of ``devices``: plain torch's per-op cost for each device, run one after another
+    matmul, bandwidth, overhead = _device_rates(devices)
+    # without a world of ``devices``: plain torch's per-op cost for each device, run one after another,
+    # and a collective as one op's call and a copy's bandwidth
+    alpha, link_bandwidth = _measured_all_reduce(devices) or (overhead, bandwidth * devices)
     overhead = _measured_compiled_op(devices) or overhead * devices
     return Cluster(
         name="local",
         devices=devices,
-        # measured on this machine (``_measured``): virtual devices share its cores, each gets 1/devices
-        # of its rates while all compute at once; each op's runtime overhead is paid under the GIL, so
-        # it is the compiled runtime's per-op step time over all devices (``_measured_compiled_op``)
+        # measured on this machine (``_device_rates``): virtual devices share its cores, each on the intra-op
+        # threads the runtime gives it; each op's runtime overhead is paid under the GIL, so it is the
+        # compiled runtime's per-op step time over all devices (``_measured_compiled_op``)
         flops={"fp32": matmul, "bf16": matmul, "fp16": matmul},
         memory=float("inf"),  # host memory; not a limit the search should hit
         hbm=bandwidth,
-        # virtual devices' collectives are tensor copies in one process: the ring formula fitted to shoal's
-        # own compiled all-reduce where the world has the devices, else a copy's bandwidth and a call's latency
-        links=(Link("copy", size=None, alpha=alpha, bandwidth=link_bandwidth),),
+        # virtual devices' collectives are sums and copies in one process (``_in_process``), fitted to
+        # shoal's own compiled all-reduce where the world has the devices
+        links=(Link("process", size=None, alpha=alpha, bandwidth=link_bandwidth, in_process=True),),
         gemm_efficiency=1.0,  # the measured rate already is the achievable one
         gemm_half=16.0,  # CPU kernels block by ~16 floats (AVX-512 width)
         op_overhead=overhead,
+        census=True,  # shoal's runtime runs the plans here: its dispatch's collectives, counted
     )
 
 

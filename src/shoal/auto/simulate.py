@@ -1,7 +1,8 @@
 """The cost model: a training step's time and memory per device for a configuration on a cluster.
 
 ``simulate(model, cluster, cfg, batch=, seq=)`` prices one representative layer's ops (``profile``)
-on the device, adds tensor-parallel collectives, pipeline send/recv and bubble (closed forms of the
+on the device, adds tensor-parallel collectives (Megatron-LM's pattern, or on a cluster of this
+process's devices the ones shoal compiles for the plan: ``census``), pipeline send/recv and bubble (closed forms of the
 ``runtime.schedules`` orders), the data-parallel gradient reduction (overlapped with the last
 backward) and the optimizer update, and counts memory by kind. ``Estimate`` holds the result.
 """
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ..parallel.memory import byte_size
+from .census import census
 from .cluster import Cluster
 from .config import Parallel
 from .profile import OpCost, Profile, gpt_config, profile
@@ -209,10 +211,9 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     embed = _phase_seconds(prof, "embed", cluster, peak, c.tp, sp)
     head = _phase_seconds(prof, "head", cluster, peak, c.tp, sp)
     act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]  # one layer's output, a micro-batch
-    ar = cluster.all_reduce(act, c.tp) if c.tp > 1 else 0.0  # with sp: reduce-scatter + all-gather, the same
     recompute = c.recompute == "full"
-    per_layer_tp = ar * (prof.allreduces_forward * (2 if recompute else 1) + prof.allreduces_backward)
     layers = mcfg.n_layer // c.pp
+    tp_comm = _tp_seconds(prof, mcfg, cluster, c, seq, act, layers)  # a micro-batch through a stage
     fwd = layers * layer.forward
     bwd = layers * (layer.backward + (layer.forward if recompute else 0.0))
     stage_compute = fwd + bwd + max(embed.forward + embed.backward, head.forward + head.backward)
@@ -220,7 +221,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     if c.pp > 1:  # each micro-batch crosses v stage boundaries per device each way, the tp shards apart
         across = c.tp * c.dp >= (cluster.links[0].size or cluster.devices)
         p2p = 2 * c.virtual_stages * cluster.send_recv(act / c.tp, across)
-    stage = stage_compute + layers * per_layer_tp + p2p  # one micro-batch through the slowest stage
+    stage = stage_compute + tp_comm + p2p  # one micro-batch through the slowest stage
     w_share = layers * layer.weight_grad / stage if stage else 0.0
     frac = bubble_fraction(c.schedule, c.pp, m, c.virtual_stages, w_share)
     pipeline = m * stage / (1 - frac)
@@ -241,7 +242,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm \
         + tensors * _ADAM_OPS * cluster.op_overhead
     step = pipeline + dp_time + update
-    breakdown = {"compute": m * stage_compute, "tensor-parallel comm": m * layers * per_layer_tp,
+    breakdown = {"compute": m * stage_compute, "tensor-parallel comm": m * tp_comm,
                  "pipeline send/recv": m * p2p, "pipeline bubble": pipeline - m * stage,
                  "data-parallel comm": dp_time, "optimizer": update}
 
@@ -253,6 +254,22 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     per_device = 1e12 * step * cluster.devices
     return Estimate(c, cluster, batch, seq, step, mega / per_device, own / per_device,
                     own / (step * cluster.devices * peak), memory, breakdown)
+
+
+def _tp_seconds(prof: Profile, mcfg, cluster: Cluster, c: Parallel, seq: int, act: float, layers: int) -> float:
+    """Seconds of a micro-batch's tensor-parallel collectives through a stage of ``layers`` layers: the
+    ones shoal's dispatch runs (``census``) where the cluster says so and this process can count them,
+    else Megatron-LM's: an all-reduce of a layer's output per row-parallel layer in forward (again in
+    recomputation), one per column-parallel region's input in backward (with sequence parallelism a
+    reduce-scatter and an all-gather: the same time)."""
+    if c.tp == 1:
+        return 0.0
+    counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision) if cluster.census else None
+    if counted is not None:
+        return counted.seconds(lambda k: cluster.collective(k.kind, k.nbytes, k.n), layers)
+    recompute = c.recompute == "full"
+    return layers * cluster.all_reduce(act, c.tp) * (prof.allreduces_forward * (2 if recompute else 1)
+                                                      + prof.allreduces_backward)
 
 
 def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int, sp: bool) -> dict[str, float]:
