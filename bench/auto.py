@@ -4,7 +4,10 @@ searched, as they tuned them). Part 2: GPT-3 175B on 1024 A100-80GB, batch 1536:
 beside the best Megatron-style hand plan (tp 1/2/4/8, pp dividing the layers, dp the rest, 1F1B, no
 ZeRO, no sequence parallelism) on the same cost model. Part 3: the bundled GPT's compiled step on 4
 virtual CPU devices, measured under dp, tp, dp,tp and pp,dp, beside the ``local`` preset's prediction.
-Usage: python bench/auto.py [--skip-local] [--steps N]
+Part 4: per-op layouts by the integer program (``auto.layouts``) beside Megatron's, priced by the same
+program and as dispatch runs them: the bundled GPT (batch 8) on 2 and 4 A100s, and GPT-3 175B (a
+3-layer twin, micro-batch 1 as Megatron runs it) on 8.
+Usage: python bench/auto.py [--skip-local] [--skip-layouts] [--steps N]
 """
 
 from __future__ import annotations
@@ -123,14 +126,40 @@ def local(steps: int) -> None:
               f"{est.step_seconds / measured:.2f} |", flush=True)
 
 
+def layouts() -> None:
+    shoal.init(devices=8)  # dispatch's decisions are replayed on a world of the mesh's devices
+    print("\nper-op layouts by an integer program (auto.layouts, scipy milp) vs Megatron's, bf16; ms per step "
+          "as the program prices it / as dispatch runs the parameter layouts")
+    print("| model | batch | A100s (tp) | program ms | Megatron ms | program, dispatched | Megatron, dispatched | "
+          "parameters laid out otherwise | solve s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    runs = [("bundled GPT", meta(GPTConfig()), 8, 2, None), ("bundled GPT", meta(GPTConfig()), 8, 4, None),
+            ("GPT-3 175B (3-layer twin)", meta(GPT3), 1, 8, 3)]
+    for name, model, batch, tp, twin in runs:
+        cluster = auto.Cluster.preset("a100-80gb", devices=tp)
+        best, mega = auto.gpt_layouts(model, cluster, tp, batch=batch, precision="bf16", layers=twin)
+
+        def ms(lay, field):
+            b = getattr(lay, field)
+            return "-" if b is None else f"{sum(b.values()) * 1e3:.3f}"
+
+        diff = sum(best.params[n] != mega.params[n] for n in best.params)
+        print(f"| {name} | {batch} | {tp} | {ms(best, 'breakdown')} | {ms(mega, 'breakdown')} | "
+              f"{ms(best, 'dispatched')} | {ms(mega, 'dispatched')} | {diff} of {len(best.params)} | "
+              f"{best.solve_seconds:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-local", action="store_true")
+    ap.add_argument("--skip-layouts", action="store_true")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     calibration()
     gpt3_search()
+    if not args.skip_layouts:
+        layouts()
     if not args.skip_local:
         local(args.steps)
 
