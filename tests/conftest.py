@@ -4,7 +4,7 @@ import torch
 import shoal
 import shoal.graph.passes
 
-shoal.init(devices=4)
+HOME = shoal.init(devices=4)
 torch.set_num_threads(1)
 shoal.graph.passes.VERIFY_EACH_PASS = True  # a pass that breaks the graph is named
 
@@ -18,3 +18,13 @@ def meshes():
         (3,): shoal.Mesh([0, 1, 2]),
         (2, 2): shoal.Mesh([[0, 1], [2, 3]], axes=("dp", "tp")),
     }
+
+
+@pytest.fixture(autouse=True)
+def _home_world():
+    """Every test starts in the world of 4 virtual devices: one that makes another (``shoal train
+    --devices 2`` in process, a memory budget) must not change the meshes of the tests after it on
+    the same worker."""
+    yield
+    if shoal.world() != HOME:
+        shoal.init(devices=4)
