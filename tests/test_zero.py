@@ -25,7 +25,7 @@ def compiled_fit(model, opt, data) -> list[float]:
     return [step(model, opt, x, y).item() for x, y in data]
 
 
-@pytest.mark.parametrize("kind", ["zero2", "zero3"])
+@pytest.mark.parametrize("kind", ["zero", "zero2", "zero3"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_compiled_zero_trains_like_one_device(name, kind):
     ref_losses, ref_state = reference(name, "adamw")
@@ -192,6 +192,26 @@ def test_budget_strings():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="memory_per_device"):
         parse_bytes("lots")
+
+
+def test_zero1_gathers_each_updated_parameter_once():
+    """ZeRO-1's AdamW updates a Broadcast parameter from split states: computed on the split and the
+    result gathered (one all-gather per parameter), not each split state gathered to the parameter."""
+    mesh = mesh_for("zero")
+    model = shoal.distribute_module(initial("gpt"), mesh, gpt.plans(mesh, "zero"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = shoal.compile(gpt_step)
+    x, y = batches("gpt")[0]
+    for _ in range(2):
+        step(model, opt, x, y)
+    ops = step.graph.ops
+    sources, made = [], {}  # Local id -> the name of the op that made or last wrote it
+    for op in ops:
+        if op.kind == "comm" and op.fn.name == "all_gather":
+            sources.append(made.get(op.reads[0], "state"))
+        made.update(dict.fromkeys(op.out_ids + op.writes, op.name()))
+    by_optimizer = [name for name in sources if name.startswith("_foreach")]
+    assert len(by_optimizer) == len(list(model.parameters())), sources
 
 
 def test_zero3_gathers_run_one_segment_ahead_not_all_at_the_start():

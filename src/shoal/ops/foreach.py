@@ -135,33 +135,57 @@ def _foreach(call: Call) -> list:
     """The one n-D signature: per index, every operand in the layout of the index's anchor."""
     if not call.specs:
         return []  # the validator's listing: layouts are only known for a real call
-    base, overload, inplace = base_name(call.func)
-    groups = _LINEAR.get((base, overload), ())
+    _, _, inplace = base_name(call.func)
     where = _args(call)
-    specs, ins = call.specs, call.ins
-    rep = (_B,) * len(specs[0].sbp)
-    sbp_in: list = [None] * len(ins)
+    rep = (_B,) * len(call.specs[0].sbp)
+    sbp_in: list = [None] * len(call.ins)
     sbp_out = []
-    n = len(where.lists[0])
-    for i in range(n):
+    for i in range(len(where.lists[0])):
         idx = [lst[i] for lst in where.lists]
-        out = ins[idx[0]] if inplace else call.outs[i]
-        options = [0] if inplace else [j for j, x in enumerate(idx) if tuple(ins[x].shape) == tuple(out.shape)]
-        best = None
-        for j in options or [-1]:  # -1: every operand broadcasts to the output: Broadcast
-            anchor, group = _usable(specs[idx[j]].sbp if j >= 0 else rep, groups, j)
-            layouts = [_keep_size1(_operand(anchor, out, ins[x], jj in group), specs[x]) for jj, x in enumerate(idx)]
-            cost = sum(boxing.cost(specs[x], s) for x, s in zip(idx, layouts) if specs[x].sbp != s)
-            if best is None or cost < best[0]:
-                best = (cost, anchor, layouts)
-        _, anchor, layouts = best
+        _, anchor, layouts = _index_layouts(call, idx, call.ins[idx[0]] if inplace else call.outs[i], inplace)
         for x, s in zip(idx, layouts):
-            sbp_in[x] = _keep_size1(s, specs[x])
+            sbp_in[x] = _keep_size1(s, call.specs[x])
         if not inplace:
             sbp_out.append(anchor)
     for x in where.singles:
         sbp_in[x] = rep
     return [(tuple(sbp_in), tuple(sbp_out))]
+
+
+def _index_layouts(call: Call, idx: list, out: torch.Tensor, inplace: bool, back: bool = False) -> tuple:
+    """(boxing cost, anchor, operand layouts) of one list index (``idx``: its flat inputs, ``out`` its
+    result): in place the written element's layout, else the cheapest of its same-shaped operands'.
+    ``back``: out of place, counting the result's boxing to the written element's layout too (what
+    running an in-place call out of place and copying back costs)."""
+    base, overload, _ = base_name(call.func)
+    groups = _LINEAR.get((base, overload), ())
+    specs, ins = call.specs, call.ins
+    options = [0] if inplace else [j for j, x in enumerate(idx) if tuple(ins[x].shape) == tuple(out.shape)]
+    best = None
+    for j in options or [-1]:  # -1: every operand broadcasts to the output: Broadcast
+        anchor, group = _usable(specs[idx[j]].sbp if j >= 0 else (_B,) * len(specs[0].sbp), groups, j)
+        layouts = [_keep_size1(_operand(anchor, out, ins[x], jj in group), specs[x]) for jj, x in enumerate(idx)]
+        cost = sum(boxing.cost(specs[x], s) for x, s in zip(idx, layouts) if specs[x].sbp != s)
+        if back:
+            cost += boxing.cost(specs[idx[0]].with_sbp(_keep_size1(anchor, specs[idx[0]])), specs[idx[0]].sbp)
+        if best is None or cost < best[0]:
+            best = (cost, anchor, layouts)
+    return best
+
+
+def _decomposes(call: Call, specs) -> bool:
+    """Run an in-place call as the op out of place and a ``_foreach_copy_``: where it writes a Partial
+    element (``_writes_partial``), or where boxing the operands to the written elements' layouts costs
+    more than boxing the results back (ZeRO-1's AdamW: a Broadcast parameter updated from split
+    states gathers its update once, not each state it reads)."""
+    if _writes_partial(call, specs):
+        return True
+    if base_name(call.func)[0] in _PER_TENSOR or not call.specs:
+        return False  # no out-of-place form
+    where = _args(call)
+    rows = [[lst[i] for lst in where.lists] for i in range(len(where.lists[0]))]
+    here = sum(_index_layouts(call, idx, call.ins[idx[0]], True)[0] for idx in rows)
+    return here > 0 and sum(_index_layouts(call, idx, call.ins[idx[0]], False, back=True)[0] for idx in rows) < here
 
 
 def _writes_partial(call: Call, specs) -> bool:
@@ -186,15 +210,14 @@ _PER_TENSOR = {"zero_": _zero_each, "copy_": _copy_each}
 
 
 def _inplace_decomposition(func):
-    """The op out of place, then one ``copy_`` per element (per-tensor writes dispatch handles fully)."""
+    """The op out of place, then a ``_foreach_copy_`` into the elements (per tensor where one is Partial)."""
     base, overload, _ = base_name(func)
     if base in _PER_TENSOR:
         return _PER_TENSOR[base]
     out_of_place = getattr(getattr(aten, "_foreach_" + base), overload)
 
     def run(self, *args, **kwargs) -> None:
-        for t, o in zip(self, out_of_place(self, *args, **kwargs)):
-            aten.copy_.default(t, o)
+        aten._foreach_copy_.default(self, out_of_place(self, *args, **kwargs))
 
     return run
 
@@ -226,7 +249,7 @@ def _rule(op) -> Rule:
     """A pointwise foreach op's rule; one writing in place into a Partial element is decomposed."""
     if not base_name(op)[2]:
         return Rule(_foreach, nd=True, name="foreach")
-    return Rule(_foreach, nd=True, local=_inplace_local, local_ctx=True, decompose=_writes_partial,
+    return Rule(_foreach, nd=True, local=_inplace_local, local_ctx=True, decompose=_decomposes,
                 decomposition=_inplace_decomposition(op), name="foreach_")
 
 
