@@ -19,6 +19,14 @@ from test_graph import build, train
 from test_models import batches
 
 
+@pytest.fixture(autouse=True)
+def groups_of_two(monkeypatch, request):
+    """4 devices on 2 workers make groups of 2, fewer than batching takes by default (``MIN_GROUP``):
+    here they merge, so that batching is checked on this world."""
+    if "default" not in request.node.name:
+        monkeypatch.setattr(batch, "MIN_GROUP", 2)
+
+
 def batched_runs(compiled) -> list:
     return [t.run for t in compiled.plan.tasks if isinstance(t.run, Batched)]
 
@@ -60,6 +68,15 @@ def test_uneven_shards_are_not_merged():
     compiled = shoal.compile(step, batch=True)
     train("gpt", "dp", compiled)
     assert not batched_runs(compiled)
+
+
+def test_groups_smaller_than_the_default_are_not_merged_by_default():
+    compiled = shoal.compile(step, batch=True)
+    model, opt = build("gpt", "dp")
+    x, y = even_batches("gpt")[0]
+    for _ in range(2):
+        compiled(model, opt, x, y)
+    assert batch.MIN_GROUP > 2 and not batched_runs(compiled)
 
 
 def test_failed_batched_run_falls_back_to_the_loop(monkeypatch):

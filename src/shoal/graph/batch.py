@@ -4,8 +4,8 @@ Data parallelism on the virtual devices of one torch device runs the same segmen
 same-shaped shards: at 16 devices a small model's step is thousands of small kernels and 60-odd
 firings contending for the GIL. ``batch_tasks`` merges the compute tasks of different devices that
 are the same code on same-shaped Locals into one task per runtime worker (devices ``i``, ``i + w``,
-``i + 2w``, ... of ``w`` workers, so the workers still run side by side; with no more devices than
-workers nothing merges). The merged task runs the segment once under ``torch.vmap`` over a leading
+``i + 2w``, ... of ``w`` workers, so the workers still run side by side; a group of fewer than
+``MIN_GROUP`` segments is not merged). The merged task runs the segment once under ``torch.vmap`` over a leading
 device dimension:
 
 - an input every member reads as the same tensor, or a Broadcast value's replicas (the same numbers
@@ -38,6 +38,10 @@ from .lower import LoweredPlan, Task
 
 __all__ = ["batch_tasks", "Batched"]
 
+# the fewest members a merged group has: a vmapped op costs a few plain calls of Python and dispatch,
+# so batching 2 or 4 devices' segments was slower than running them in turn (bench/scaling.py at 4
+# and 8 virtual devices on 2 workers), 8 faster
+MIN_GROUP = 8
 _VIEW = torch.ops.aten.view.default
 _RESHAPE = torch.ops.aten.reshape.default
 
@@ -55,7 +59,7 @@ def batch_tasks(plan: LoweredPlan) -> None:
             sig = _signature(t, g, w)
             if sig is not None:
                 groups.setdefault((devices.index(t.device) % workers, sig), []).append(t)
-    merged = [ms for ms in groups.values() if len(ms) > 1]
+    merged = [ms for ms in groups.values() if len(ms) >= MIN_GROUP]
     if not merged:
         return
     group_of = {m.id: i for i, ms in enumerate(merged) for m in ms}
