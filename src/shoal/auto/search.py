@@ -4,7 +4,9 @@ pruned by memory first, priced by the closed forms of ``simulate``; the fastest 
 Tensor parallelism stays inside a node (divisors of the node size that divide the heads), pipeline
 stages divide the layers, data parallelism takes the rest; micro-batch sizes, schedules (virtual
 stages for the interleaved one), ZeRO 0-3, recomputation and sequence parallelism are enumerated.
-Fields set in ``fixed`` are kept.
+Fields set in ``fixed`` are kept. Where the winner has tensor parallelism, per-op layouts for its
+tp group are chosen by the integer program (``layouts.gpt_layouts``) beside Megatron-LM's pattern,
+and ``Estimate.layouts`` / ``explain()`` report both.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from .cluster import Cluster
 from .config import RECOMPUTE, SCHEDULES, Parallel
+from .layouts import gpt_layouts
 from .profile import gpt_config, profile
 from .simulate import DTYPES, Estimate, check, estimate
 
@@ -58,10 +61,11 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
 
 
 def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = None,
-           fixed: Parallel | None = None, runnable: bool = True) -> tuple[Parallel, Estimate]:
+           fixed: Parallel | None = None, runnable: bool = True, layouts: bool = True) -> tuple[Parallel, Estimate]:
     """The fastest configuration that fits (``Estimate.runner_up``: the second); a clear error if none
     fits, naming the closest. ``runnable``: only plans shoal runs as is (``candidates``); False also
-    prices sequence parallelism, which the cost model knows but the GPT's plans do not lay out."""
+    prices sequence parallelism, which the cost model knows but the GPT's plans do not lay out.
+    ``layouts``: a winner with tp > 1 gets per-op layouts for its tp group (``Estimate.layouts``)."""
     mcfg = gpt_config(model)
     seq = seq or mcfg.block_size
     best: list[Estimate] = []
@@ -82,4 +86,7 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
                          f"{closest.cfg}, needs {closest.memory_per_device / 1e9:.1f} GB; add devices")
     winner = best[0]
     winner.runner_up = best[1] if len(best) > 1 else None
+    if layouts and winner.cfg.tp > 1:
+        winner.layouts = gpt_layouts(model, cluster, winner.cfg.tp, batch=winner.cfg.micro_batch, seq=seq,
+                                     precision=winner.cfg.precision, layers=min(3, mcfg.n_layer))
     return winner.cfg, winner
