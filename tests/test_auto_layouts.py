@@ -151,3 +151,18 @@ def test_a_twin_of_three_layers_lays_out_every_block_of_a_deep_gpt():
         assert mega.params[n] == want, n
     for i in range(1, 11):  # the middle blocks share the twin's middle block's layouts
         assert best.params[f"blocks.{i}.mlp.up.weight"] == best.params["blocks.1.mlp.up.weight"]
+
+
+def test_the_searchs_layouts_lay_out_a_dp_tp_mesh_through_to_plan():
+    """The program's tp layouts (for a tp group) given to ``Parallel.to_plan`` on a (dp, tp) mesh: a
+    plan that trains as plain torch does, Broadcast on dp."""
+    with torch.device("meta"):
+        big = GPT(GPTConfig())  # the bundled GPT, priced on A100s; the layouts train a small twin
+    best, _ = gpt_layouts(big, A100, 2, batch=8, precision="bf16")
+    mesh = shoal.Mesh([[0, 1], [2, 3]], axes=("dp", "tp"))
+    par = auto.Parallel(tp=2, dp=2, pp=1, micro_batch=2, precision="fp32")
+    plan, _ = par.to_plan(mesh, batch=4, layouts=best.params)
+    assert plan.params and all(lay[0] == B and lay[1] == best.params[n][0] for n, lay in plan.params.items())
+    _trains_like_one_device(plan, mesh)
+    with pytest.raises(ValueError, match="one SBP per parameter"):
+        auto.Parallel(tp=2, dp=2, pp=1).to_plan(mesh, layouts={"lm_head.weight": (B, B)})

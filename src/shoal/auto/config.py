@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from torch import nn
@@ -17,6 +18,7 @@ from ..mesh import Mesh
 from ..models import gpt
 from ..parallel import Plan
 from ..parallel.balance import balance
+from ..sbp import Broadcast
 
 __all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS"]
 
@@ -111,14 +113,17 @@ class Parallel:
         sizes = [("pp", self.pp or 1), ("dp", self.dp or 1), ("tp", self.tp or 1)]
         return tuple(name for name, n in sizes if n > 1) or ("dp",)
 
-    def to_plan(self, mesh: Mesh, batch: int | None = None, model: nn.Module | None = None) -> tuple[Plan, dict]:
+    def to_plan(self, mesh: Mesh, batch: int | None = None, model: nn.Module | None = None,
+                layouts: Mapping[str, tuple] | None = None) -> tuple[Plan, dict]:
         """The bundled GPT's ``shoal.Plan`` for this configuration on ``mesh`` (shaped as ``mesh_shape``,
         axes ``axes()``), and the ``shoal.compile`` options (micro-batches of a global ``batch``,
         default two per stage; the schedule). Each pipeline stage's sub-mesh gets the GPT's plan for
         the axes left (dp, tp, both, or none: replicated); ``pp`` stages are cut by parameter count
         (``stages="auto"``), ``pp x virtual_stages`` ones (interleaved) by ``shoal.parallel.balance``
         of ``model``. Sequence parallelism is not laid out: the GPT's plans keep the activations
-        between blocks whole on tp (``search(runnable=True)`` never proposes it)."""
+        between blocks whole on tp (``search(runnable=True)`` never proposes it). ``layouts``: each
+        parameter's layout on the tp axis (the integer program's, ``Estimate.layouts[0].params``), in
+        place of Megatron-LM's pattern; Broadcast on the other axes."""
         cfg = self.resolved(math.prod(mesh.shape))
         want, axes = cfg.mesh_shape(), cfg.axes()
         if tuple(mesh.shape) != want or tuple(mesh.axes) != axes:
@@ -127,10 +132,13 @@ class Parallel:
         if cfg.sequence_parallel:
             raise ValueError(f"Parallel {cfg}: shoal's GPT plans do not lay out sequence parallelism (the "
                              f"activations between blocks stay whole on tp); use sp=false")
+        if layouts is not None and cfg.tp == 1:
+            raise ValueError(f"Parallel {cfg}: per-op layouts are for the tp axis; this plan has none")
         if cfg.pp == 1:
-            plan = gpt.plans(mesh, ",".join(axes))
+            plan = _tp_layouts(gpt.plans(mesh, ",".join(axes)), axes, layouts)
         else:
-            inner = gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:])) if len(axes) > 1 else Plan()
+            inner = _tp_layouts(gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:])), axes[1:], layouts) \
+                if len(axes) > 1 else Plan()
             stages = "auto"
             if cfg.virtual_stages > 1:
                 if model is None:
@@ -143,6 +151,22 @@ class Parallel:
                                    zero=cfg.zero if cfg.dp > 1 else 0)
         micro_batches = batch // (cfg.dp * cfg.micro_batch) if batch else 2 * cfg.pp if cfg.pp > 1 else 1
         return plan, {"micro_batches": max(micro_batches, 1), "schedule": cfg.schedule}
+
+
+def _tp_layouts(plan: Plan, axes: tuple, layouts: Mapping[str, tuple] | None) -> Plan:
+    """``plan`` with its parameter layouts given on the tp axis by ``layouts`` (name -> a layout of
+    one entry), Broadcast on the other ``axes``."""
+    if layouts is None:
+        return plan
+    t = axes.index("tp")
+    params = {}
+    for name, lay in layouts.items():
+        if len(lay) != 1:
+            raise ValueError(f"to_plan: layouts[{name!r}] = {lay!r}; give one SBP per parameter, the tp axis's "
+                             f"(auto.search's Estimate.layouts[0].params)")
+        if lay[0] != Broadcast():
+            params[name] = (Broadcast(),) * t + tuple(lay) + (Broadcast(),) * (len(axes) - t - 1)
+    return dataclasses.replace(plan, params=params)
 
 
 def _value(key: str, text: str, whole: str):

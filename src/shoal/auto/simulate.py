@@ -106,7 +106,7 @@ def _layouts_lines(best, megatron, tp: int) -> list[str]:
             f"({100 * (1 - best.seconds / megatron.seconds):.1f}% less), solved in {best.solve_seconds:.1f} s",
             f"    {len(differ)} of {len(best.params)} parameters laid out otherwise"
             + (f": {', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''}" if kinds else "")
-            + "; to_plan keeps Megatron's (Estimate.layouts[0].plan() lays out a tp-only mesh)"]
+            + "; to_plan(..., layouts=est.layouts[0].params) lays them out"]
 
 
 def _why(best: Estimate, other: Estimate) -> str:
