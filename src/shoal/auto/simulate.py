@@ -244,17 +244,20 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
 
     w_bytes, g_bytes, o_bytes = _STATES[c.precision]
     params = (layers * prof.block_params + max(prof.embed_params, prof.head_params)) / c.tp
+    tensors = layers * prof.block_tensors + prof.other_tensors  # the last stage's (the embedding, tied, too)
     dp_time = 0.0
     if c.dp > 1:
-        grads = cluster.all_reduce(params * g_bytes, c.dp, c.tp)
-        if c.zero >= 1:  # reduce-scatter the gradients, all-gather the updated weights
-            grads = cluster.reduce_scatter(params * g_bytes, c.dp, c.tp)
-            grads += cluster.all_gather(params * w_bytes, c.dp, c.tp)
+        reduce = cluster.all_reduce(params * g_bytes, c.dp, c.tp)  # in buckets: their latency paid about once
+        if c.zero >= 2:  # as shoal runs ZeRO-2/3: each gradient reduce-scattered on its own
+            reduce = tensors * cluster.reduce_scatter(params * g_bytes / tensors, c.dp, c.tp)
         overlap = layers * (layer.backward + (layer.forward if recompute else 0.0))  # the last micro-batch's
-        dp_time = max(grads - overlap, 0.0)
-        if c.zero == 3:  # weights gathered for every forward (and recomputation) and backward, per micro-batch
-            dp_time += m * (3 if recompute else 2) * cluster.all_gather(params * w_bytes, c.dp, c.tp)
-    tensors = layers * prof.block_tensors + prof.other_tensors  # the last stage's (the embedding, tied, too)
+        dp_time = max(reduce - overlap, 0.0)
+        if c.zero in (1, 2):  # each updated parameter gathered on its own, after its update: not hidden
+            dp_time += tensors * cluster.all_gather(params * w_bytes / tensors, c.dp, c.tp)
+        if c.zero == 3:  # each unit's weights (a block's, the rest's) gathered for every forward (and
+            # recomputation) and backward, per micro-batch
+            units = layers + 1
+            dp_time += m * (3 if recompute else 2) * units * cluster.all_gather(params * w_bytes / units, c.dp, c.tp)
     update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm \
         + tensors * _ADAM_OPS * cluster.op_overhead
     step = pipeline + dp_time + update
