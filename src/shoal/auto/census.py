@@ -59,18 +59,11 @@ def count(graph) -> list[Collective]:
     for op in graph.ops:
         if op.kind != "comm":
             continue
-        sizes = [_nbytes(graph.locals[i]) for i in op.reads]
+        sizes = [graph.locals[i].size_bytes for i in op.reads]
         part = max(sizes, default=0)
         whole = part if op.fn.name in ("all_reduce", "reduce_scatter", "transfer") else part * len(op.devices)
         out.append(Collective(op.fn.name, int(whole), len(op.devices)))
     return out
-
-
-def _nbytes(local) -> int:
-    n = 1
-    for d in local.shape:
-        n *= d
-    return n * torch.empty((), dtype=local.dtype).element_size()
 
 
 def census(mcfg: gpt.GPTConfig, tp: int, micro_batch: int, seq: int, recompute: str = "none",

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..boxing.planner import level_bytes
 from ..boxing.planner import plan as box_plan
 from ..dispatch.decide import _DECOMPOSING, Input, _decomposition, decide, signatures
 from ..dispatch.key import _template
@@ -57,6 +58,7 @@ __all__ = ["Layouts", "Graph", "trace", "solve", "megatron", "gpt_layouts", "box
 
 _B = Broadcast()
 _KINDS = ("compute", "communication", "optimizer")
+_FREE = ("slice", "keep_one", "relabel")  # boxing steps that move no data
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,18 +182,12 @@ def box_seconds(cluster: Cluster, mesh_shape: tuple[int, ...], shape: tuple[int,
                 src: NdSBP, dst: NdSBP) -> float:
     """Seconds to relay a tensor from ``src`` to ``dst``: the boxing planner's steps (what dispatch runs),
     each a collective over its mesh axis priced by the cluster (axis ``a``'s groups are devices
-    ``prod(mesh_shape[a+1:])`` apart); local slices are free."""
+    ``prod(mesh_shape[a+1:])`` apart) on the bytes its group works on; local slices are free."""
     t, state = 0.0, src
     for st in box_plan(mesh_shape, shape, itemsize, src, dst):
-        n = mesh_shape[st.axis]
-        stride = math.prod(mesh_shape[st.axis + 1:])
-        cut = math.prod(mesh_shape[j] for j, s in enumerate(state) if j != st.axis and isinstance(s, Split))
-        nbytes = itemsize * math.prod(shape) / cut  # what one group works on
-        kind = st.kind
-        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            t += getattr(cluster, kind)(nbytes, n, stride)
-        elif kind == "all_to_all":  # each device keeps 1/n of its shard and sends the rest: an all-gather's bytes / n
-            t += cluster.all_gather(nbytes / n, n, stride)
+        if st.kind not in _FREE:
+            t += cluster.collective(st.kind, level_bytes(state, mesh_shape, st.axis, shape, itemsize),
+                                    mesh_shape[st.axis], math.prod(mesh_shape[st.axis + 1:]))
         state = state[:st.axis] + (st.dst,) + state[st.axis + 1:]
     return t
 

@@ -70,20 +70,20 @@ def _commutes(state: NdSBP, mesh_shape: tuple[int, ...], axis: int, s, d) -> boo
     return True
 
 
-def step_bytes(kind: str, level_bytes: float, n: int) -> float:
-    """Bytes each device moves for one step over a group of ``n`` devices on a tensor of ``level_bytes``."""
+def step_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each device moves for one step over a group of ``n`` devices on a tensor of ``nbytes``."""
     if kind == "all_gather" or kind == "reduce_scatter":
-        return LAUNCH_BYTES + level_bytes * (n - 1) / n
+        return LAUNCH_BYTES + nbytes * (n - 1) / n
     if kind == "all_reduce":
-        return LAUNCH_BYTES + 2 * level_bytes * (n - 1) / n
+        return LAUNCH_BYTES + 2 * nbytes * (n - 1) / n
     if kind == "all_to_all":
-        return LAUNCH_BYTES + level_bytes * (n - 1) / (n * n)
+        return LAUNCH_BYTES + nbytes * (n - 1) / (n * n)
     if kind in ("slice", "keep_one"):
         return SLICE_COST
     return 0.0
 
 
-def _level_bytes(state: NdSBP, mesh_shape, axis: int, shape, itemsize: int) -> float:
+def level_bytes(state: NdSBP, mesh_shape, axis: int, shape, itemsize: int) -> float:
     """Bytes of the tensor one group along ``axis`` works on: the global size cut by the other splits."""
     sizes = list(shape)
     for j, s in enumerate(state):
@@ -119,7 +119,7 @@ def _search(mesh_shape: tuple[int, ...], shape: tuple[int, ...], itemsize: int, 
                     continue
                 else:
                     kind = Step(axis, s, d).kind
-                    step_cost = step_bytes(kind, _level_bytes(state, mesh_shape, axis, shape, itemsize), n)
+                    step_cost = step_bytes(kind, level_bytes(state, mesh_shape, axis, shape, itemsize), n)
                 nxt = state[:axis] + (d,) + state[axis + 1 :]
                 c = cost + step_cost
                 if c < best.get(nxt, math.inf):

@@ -65,7 +65,7 @@ def fuse_all_reduces(g: Graph, bucket_bytes: int) -> int:
         if key is None:
             out.append(op)
             continue
-        size = g.locals[op.outs[0].id].nbytes or _nbytes(g.locals[op.outs[0].id])
+        size = g.locals[op.outs[0].id].nbytes or g.locals[op.outs[0].id].size_bytes
         b = open_.get(key)
         if b is not None and b.bytes + size > bucket_bytes:
             flush(b)
@@ -80,10 +80,6 @@ def fuse_all_reduces(g: Graph, bucket_bytes: int) -> int:
         flush(b)
     g.ops = out
     return fused
-
-
-def _nbytes(loc: Local) -> int:
-    return math.prod(loc.shape) * torch.empty((), dtype=loc.dtype).element_size()
 
 
 def _fused_ops(g: Graph, b: _Bucket, next_id: list) -> list:

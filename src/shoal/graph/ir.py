@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sbp import sbp_str
-from ..spec import TensorSpec
+from ..spec import TensorSpec, _itemsize
 
 __all__ = ["Local", "Ref", "Op", "Value", "Node", "Slot", "Graph", "local_ids", "contiguous_strides"]
 
@@ -41,6 +41,11 @@ class Local:
     stride: tuple[int, ...]
     base: int
     nbytes: int  # of its own storage when it is a base, else 0
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of its elements (a view's too)."""
+        return math.prod(self.shape) * _itemsize(self.dtype)
 
     @property
     def contiguous(self) -> bool:
