@@ -1,10 +1,10 @@
 """``shoal.compile(batch=True)``: the devices' identical segments run as one batched task.
 
 Parity: each bundled model takes 5 AdamW steps eagerly and 5 compiled with batching (the oracle and
-tolerances of test_graph), under plans whose devices run the same code (dp, dp x tp). The plan has
-fewer tasks than the unbatched one, forward and backward ran batched and the optimizer (it writes in
-place) as the loop. A batched run that fails falls back to the loop, which computes exactly what the
-unbatched plan does.
+tolerances of test_graph), under a plan whose devices run the same code (dp). The plan has fewer tasks than
+the unbatched one, forward and backward ran batched, the split of the all-reduced gradient bucket
+once (every input replicated) and the optimizer (it writes in place) as the loop. A batched run that
+fails falls back to the loop, which computes exactly what the unbatched plan does.
 """
 
 import pytest
@@ -58,6 +58,7 @@ def test_batched_steps_match_eager(name):
     runs = batched_runs(compiled)
     assert runs, "no segments were merged"
     assert any(r.batched for r in runs), "no merged segment ran batched"
+    assert any(r.once for r in runs), "no merged segment of replicated inputs ran once"
     plain = shoal.compile(step)
     fit(name, plain)
     assert len(compiled.plan.tasks) < len(plain.plan.tasks)
@@ -92,6 +93,6 @@ def test_failed_batched_run_falls_back_to_the_loop(monkeypatch):
     for x, y in even_batches("gpt"):
         assert compiled(model, opt, x, y).item() == plain(ref_model, ref_opt, x, y).item()
     runs = batched_runs(compiled)
-    assert runs and all(r.fn is None and r.looped and not r.batched for r in runs)
+    assert runs and not any(r.batched for r in runs) and any(r.looped for r in runs)
     for (k, a), b in zip(model.state_dict().items(), ref_model.state_dict().values()):
         assert torch.equal(a.detach().full(), b.detach().full()), k

@@ -480,6 +480,27 @@ def test_chrome_trace(tmp_path):
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (threads[tid], a, b)
 
 
+def test_gradients_left_between_compiled_steps_accumulate_once():
+    """A step without ``zero_grad`` leaves its all-reduced gradients, which the fused AdamW only
+    reads: the devices' replicas may then be one tensor, and the next step adds to each device's
+    gradient once."""
+
+    def step_keeping_grads(model, opt, x, y):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    (a, oa), (b, ob) = build("gpt", "dp"), build("gpt", "dp")
+    compiled = shoal.compile(step_keeping_grads)
+    for x, y in batches("gpt")[:4]:
+        want, got = step_keeping_grads(a, oa, x, y).item(), compiled(b, ob, x, y).item()
+        assert got == pytest.approx(want, rel=1e-5)
+    for (k, p), q in zip(a.named_parameters(), b.parameters()):
+        assert_same_value(q.grad, p.grad.full(), k, rtol=1e-5, atol=1e-6)
+        assert_same_value(q.detach(), p.detach().full(), k, rtol=1e-5, atol=1e-6)
+
+
 def test_pieces_equal_calling_the_step_once_per_piece():
     """State carries from piece to piece as if the step ran M times (here: gradients accumulate)."""
     mesh = shoal.Mesh([0, 1])

@@ -65,15 +65,24 @@ def bind(func, args, kwargs, start: int = 0) -> dict:
     return out
 
 
+# The fused Adam kernels mark their gradients written (Tensor(b!)[] grads) but store them only when
+# unscaling by a grad_scale (ATen's CPU and CUDA kernels alike): without one they read them, and a
+# gradient bucket they read stays shareable between devices.
+_UNSCALED_GRADS = {"aten::_fused_adam_", "aten::_fused_adamw_"}
+
+
 def mutated(func, tensors_by_arg) -> tuple[tuple[int, ...], list]:
     """(the tensor inputs ``func`` writes, per return: the tensor input it is, or None).
     ``tensors_by_arg``: per schema argument, the indices of the tensor inputs it holds (a list holds
     several; each element of a written list is written)."""
     sc = of(func)
+    read_only = None
+    if func._schema.name in _UNSCALED_GRADS and not tensors_by_arg[sc.names.index("grad_scale")]:
+        read_only = sc.names.index("grads")
     write_sets: dict = {}
     out: set[int] = set()
-    for sets, ti in zip(sc.write_sets, tensors_by_arg):
-        if sets is not None and ti:
+    for i, (sets, ti) in enumerate(zip(sc.write_sets, tensors_by_arg)):
+        if sets is not None and ti and i != read_only:
             out.update(ti)  # Tensor(a!) and Tensor(a!)[]: every element is written
             if len(ti) == 1:
                 for s in sets:

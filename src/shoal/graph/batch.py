@@ -8,9 +8,10 @@ are the same code on same-shaped Locals into one task per runtime worker (device
 ``MIN_GROUP`` segments is not merged). The merged task runs the segment once under ``torch.vmap`` over a leading
 device dimension:
 
-- an input every member reads as the same tensor, or a Broadcast value's replicas (the same numbers
-  on every device), is the first member's and not batched; another input is stacked, unless the
-  members' inputs are the slices of one batched result of another merged task (taken as it is);
+- an input every member reads as the same tensor, or the replicas of one value (a Broadcast value's
+  shards, or the results of one all-reduce or all-gather: the same numbers on every device), is the
+  first member's and not batched; another input is stacked, unless the members' inputs are the
+  slices of one batched result of another merged task (taken as it is);
 - each member's exports are views ``out[i]`` of the batched results;
 - ``view`` runs as ``reshape`` (a view of a batched value need not exist; the segment writes nothing
   in place, so a copy is never seen).
@@ -20,6 +21,12 @@ gradients of ``layer_norm``, a mean loss, a matmul folded over the devices): res
 per-device loop to float32 rounding (about 1e-7 relative per step), not bit for bit. A group whose
 ops write in place (the fused optimizer), or whose batched run fails (an op vmap cannot batch), runs
 its members' own code one after the other in one firing.
+
+A group that writes nothing in place and whose every input is replicated (the split of an
+all-reduced gradient bucket) computes the same numbers on every member: it runs the first member's
+code once and the others take its results (copied where something writes them), the bits the loop
+would compute on each member in turn. (The optimizer of a data-parallel step writes each member's
+replicas: copying the first member's new values into the others was slower than the loop.)
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import weakref
 
 import torch
 
+from .. import comm
 from ..runtime import _cores
 from ..sbp import Broadcast
 from ..world import world
@@ -65,8 +73,7 @@ def batch_tasks(plan: LoweredPlan) -> None:
     group_of = {m.id: i for i, ms in enumerate(merged) for m in ms}
     if _cyclic(tasks, group_of):
         return
-    replicated = {lid for v in g.values.values() if all(isinstance(s, Broadcast) for s in v.spec.sbp)
-                  for lid in v.locals if lid is not None}
+    replicated = _replicated(g)
     bases = {g.locals[x].base for op in g.ops for x in op.writes}
     written = {lid for lid, loc in g.locals.items() if loc.base in bases}  # Locals whose storage some op writes
     new_id: dict = {}
@@ -85,6 +92,17 @@ def batch_tasks(plan: LoweredPlan) -> None:
         t.deps = {(new_id[d], off) for d, off in t.deps} - {(i, 0), (i, 1)}
     _link([t.run for t in out if isinstance(t.run, Batched)])
     plan.tasks, plan.producer = out, {lid: new_id[tid] for lid, tid in producer.items()}
+
+
+def _replicated(g: Graph) -> dict:
+    """Local id -> what it is a replica of, where equal numbers on every device holding one are sure:
+    a Broadcast value (its shards), an all-reduce or all-gather (its results on the group)."""
+    out = {lid: ("value", vid) for vid, v in g.values.items() if all(isinstance(s, Broadcast) for s in v.spec.sbp)
+           for lid in v.locals if lid is not None}
+    for i, op in enumerate(g.ops):
+        if op.kind == "comm" and op.fn in (comm.all_reduce, comm.all_gather):
+            out.update((lid, ("comm", i)) for lid in op.out_ids)
+    return out
 
 
 def _link(runs: list) -> None:
@@ -163,7 +181,7 @@ def _cyclic(tasks: list, group_of: dict) -> bool:
     return False
 
 
-def _merge(members: list, replicated: set, written: set):
+def _merge(members: list, replicated: dict, written: set):
     """One task for the group, on the first member's thread: the members' imports and exports one
     member after the other."""
     first = members[0]
@@ -178,24 +196,34 @@ def _merge(members: list, replicated: set, written: set):
 
 
 class Batched:
-    """A merged task's run: the batched segment, or (``fn`` None) the members' own runs in turn.
-    ``batched`` and ``looped`` count the firings each way."""
+    """A merged task's run: the batched segment, the first member's run once (every input
+    replicated), or (``fn`` None) the members' own runs in turn. ``batched``, ``once`` and ``looped``
+    count the firings each way."""
 
-    def __init__(self, members: list, replicated: set, written: set) -> None:
+    def __init__(self, members: list, replicated: dict, written: set) -> None:
+        first = members[0]
         self.members = [m.run for m in members]
         self.imports, self.exports = [m.imports for m in members], [m.exports for m in members]
-        self.n, self.k = len(members), len(members[0].imports)
+        self.n, self.k = len(members), len(first.imports)
         self.source: list = [None] * self.k  # per input: (Batched, export) whose batched result it is
-        # a Broadcast value's replicas hold the same numbers: the first member's, not batched
-        self.same = [all(m.imports[i] in replicated for m in members) for i in range(self.k)]
-        # a result equal on every member (vmap expands it) is one storage: copied where it is written
-        self.copy = [any(m.exports[j] in written for m in members) for j in range(len(members[0].exports))]
-        writes = any(op.writes for op in members[0].ops)
-        self.fn = None if writes else _batched_fn(members[0])
-        self.batched = self.looped = 0
+        # replicas of one value hold the same numbers: the first member's, not batched
+        self.same = [replicated.get(first.imports[i]) is not None
+                     and all(replicated.get(m.imports[i]) == replicated[first.imports[i]] for m in members)
+                     for i in range(self.k)]
+        # a result equal on every member (vmap expands it, or one run made it) is one storage:
+        # copied where it is written
+        self.copy = [any(m.exports[j] in written for m in members) for j in range(len(first.exports))]
+        writes = any(op.writes for op in first.ops)
+        self.fn = None if writes else _batched_fn(first)
+        self.one = not writes  # where every input is replicated: the first member's run, once
+        self.batched = self.once = self.looped = 0
         self._last: dict = {}  # export -> (the batched result, its slices), weakly: the last firing's
 
     def __call__(self, ins: list) -> tuple:
+        k = self.k
+        if self.one and all(self.same[i] or all(x is ins[i] for x in ins[i::k]) for i in range(k)):
+            self.once += 1
+            return self._once(ins)
         if self.fn is not None:
             try:
                 out = self._batched(ins)
@@ -205,8 +233,12 @@ class Batched:
                 self.batched += 1
                 return out
         self.looped += 1
-        k = self.k
         return tuple(x for i, run in enumerate(self.members) for x in run(ins[i * k:(i + 1) * k]))
+
+    def _once(self, ins: list) -> tuple:
+        k, n = self.k, self.n
+        outs = self.members[0](ins[:k])
+        return tuple(outs) + tuple(o.clone() if c else o for _ in range(1, n) for o, c in zip(outs, self.copy))
 
     def _batched(self, ins: list) -> tuple:
         k, n = self.k, self.n
@@ -219,8 +251,6 @@ class Batched:
             else:
                 args.append(self._stacked(i, xs))
                 dims.append(0)
-        if all(d is None for d in dims):
-            raise ValueError("nothing to batch")
         with _quiet():  # an op with no batching rule loops inside vmap, with a warning per call
             outs = torch.vmap(self.fn, in_dims=tuple(dims))(*args)
         self._last = {}
