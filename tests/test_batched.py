@@ -1,4 +1,4 @@
-"""``shoal.compile(batch=True)``: the devices' identical segments run as one batched task.
+"""``shoal.compile`` (``batch=True``, the default): the devices' identical segments run as one batched task.
 
 Parity: each bundled model takes 5 AdamW steps eagerly and 5 compiled with batching (the oracle and
 tolerances of test_graph), under a plan whose devices run the same code (dp). The plan has fewer tasks than
@@ -45,7 +45,7 @@ def fit(name: str, fn) -> tuple:
 @pytest.mark.parametrize("name", ["gpt", "bert"])  # resnet: its segments differ by device (not merged)
 def test_batched_steps_match_eager(name):
     eager, eager_losses = fit(name, step)
-    compiled = shoal.compile(step, batch=True)
+    compiled = shoal.compile(step)  # batch=True is the default
     model, losses = fit(name, compiled)
     assert compiled.traces == 1
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
@@ -59,7 +59,7 @@ def test_batched_steps_match_eager(name):
     assert runs, "no segments were merged"
     assert any(r.batched for r in runs), "no merged segment ran batched"
     assert any(r.once for r in runs), "no merged segment of replicated inputs ran once"
-    plain = shoal.compile(step)
+    plain = shoal.compile(step, batch=False)
     fit(name, plain)
     assert len(compiled.plan.tasks) < len(plain.plan.tasks)
 
@@ -89,7 +89,7 @@ def test_failed_batched_run_falls_back_to_the_loop(monkeypatch):
 
     monkeypatch.setattr(batch, "_batched_fn", lambda t: refuse)
     (model, opt), (ref_model, ref_opt) = build("gpt", "dp"), build("gpt", "dp")
-    compiled, plain = shoal.compile(step, batch=True), shoal.compile(step)
+    compiled, plain = shoal.compile(step, batch=True), shoal.compile(step, batch=False)
     for x, y in even_batches("gpt"):
         assert compiled(model, opt, x, y).item() == plain(ref_model, ref_opt, x, y).item()
     runs = batched_runs(compiled)

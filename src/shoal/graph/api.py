@@ -39,13 +39,15 @@ class CompiledStep:
     float averaged over micro-batches (summed for ``"sum"``), other tensors concatenated.
     ``pieces`` P > 1 instead runs the whole step (optimizer included) on each of P pieces in turn,
     several in flight, state carried from piece to piece, and returns the P results.
-    ``batch``: the devices' identical compute segments run as one batched task (``graph.batch``;
-    not in pipelined steps).
+    ``batch`` (the default): a worker thread's devices whose compute segments are the same code
+    (8 or more: many virtual devices on one CPU or GPU) run them as one batched task
+    (``graph.batch``; results within float rounding of the per-device loop, not bit for bit);
+    ``batch=False`` runs every device's segment itself. Not in pipelined steps.
     """
 
     def __init__(self, fn, backend: str | None = None, micro_batches: int = 1, registers: int = 2,
                  passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1,
-                 batch: bool = False) -> None:
+                 batch: bool = True) -> None:
         if backend not in (None, "inductor"):
             raise ValueError(f"shoal.compile: unknown backend {backend!r}; use None or 'inductor'")
         if micro_batches < 1 or pieces < 1:
@@ -280,7 +282,7 @@ def _reducers(objs) -> list:
 
 def compile(fn=None, *, backend: str | None = None, micro_batches: int = 1, registers: int = 2,  # noqa: A001
             passes: bool = True, schedule: str = "1f1b", loss: str = "mean", pieces: int = 1,
-            batch: bool = False):
+            batch: bool = True):
     """Compile a step (forward, backward, optimizer) into a static graph run on the actor runtime.
     Use as ``@shoal.compile`` or ``shoal.compile(fn, micro_batches=8, schedule="1f1b")``
     (``CompiledStep`` says what the options mean)."""

@@ -1,4 +1,5 @@
-"""Batching: the identical compute segments of several devices as one task (``shoal.compile(batch=True)``).
+"""Batching: the identical compute segments of several devices as one task (``shoal.compile``'s default;
+``batch=False`` turns it off).
 
 Data parallelism on the virtual devices of one torch device runs the same segment once per device on
 same-shaped shards: at 16 devices a small model's step is thousands of small kernels and 60-odd
