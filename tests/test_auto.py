@@ -257,20 +257,41 @@ def test_collectives_in_one_process_cost_their_sums_and_copies():
 
 
 def test_census_counts_the_collectives_shoal_compiles_for_a_tp_plan():
-    from shoal.auto.census import Collective, census
+    from shoal.auto.census import Collective, census, traced_step
+    from shoal.auto.config import Parallel
 
     cfg = GPTConfig(vocab_size=96, block_size=16, n_layer=3, n_head=4, n_embd=32)
     counted = census(cfg, 2, 2, 16)
     assert counted is not None and len(counted.two) > len(counted.one) > 0
-    # the step of a 3-layer GPT under the same plan has the one-layer twin's collectives plus twice
-    # what the second layer added, collective for collective
-    from shoal.auto.census import _step
-    from shoal.auto.config import Parallel
-    whole = _step(dataclasses.replace(cfg, dropout=0.0),
-                  Parallel(tp=2, pp=1, dp=1, micro_batch=2, recompute="none", precision="fp32"))
+    # the step of a 3-layer GPT under the same plan, compiled on this process's real (CPU) devices:
+    # the meta world's one-layer twin's collectives plus twice what its second layer added,
+    # collective for collective
+    whole = traced_step(dataclasses.replace(cfg, dropout=0.0),
+                        Parallel(tp=2, pp=1, dp=1, micro_batch=2, recompute="none", precision="fp32"))
     assert len(whole) == 2 * len(counted.two) - len(counted.one)
     assert sum(c.nbytes for c in whole) == 2 * sum(c.nbytes for c in counted.two) - sum(c.nbytes for c in counted.one)
     assert counted.seconds(lambda c: 1.0, 3) == len(whole)  # priced at a second each: the count
     assert all(isinstance(c, Collective) and c.n == 2 and c.nbytes > 0 for c in whole)
-    # where this process cannot count them (fewer devices than tp, no tp): None, and Megatron's pattern
-    assert census(cfg, 8, 2, 16) is None and census(cfg, 1, 2, 16) is None
+    assert census(cfg, 1, 2, 16) is None  # no tp: no collectives (Megatron's pattern, none)
+
+
+def test_census_traces_more_devices_and_larger_models_than_this_machine_holds():
+    """GPT-3's width (hidden 12288, 96 heads, vocabulary 51,200) on tp=8, more devices than the
+    4-device world: the twins (4 billion parameters, 16 GB in fp32, with Adam's state 64 GB) are
+    traced on meta devices in seconds, and the world is the 4-device one again after."""
+    import time
+
+    from shoal.auto.census import census
+    from shoal.world import world
+
+    before = world()
+    gpt3 = GPTConfig(vocab_size=51200, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
+    t0 = time.perf_counter()
+    counted = census(gpt3, 8, 1, 2048, "full", "bf16")
+    assert time.perf_counter() - t0 < 60
+    assert world() is before and world().size == 4
+    assert counted is not None and all(c.n == 8 for c in counted.two) and len(counted.two) > len(counted.one)
+    # every collective of a layer moves whole activations or weights of this width: at least one
+    # micro-batch's layer output (2048 x 12288 in bf16) / tp, or a weight shard
+    layer = [c for c in counted.two if c not in counted.one] or counted.two
+    assert max(c.nbytes for c in layer) >= 2048 * 12288 * 2 // 8

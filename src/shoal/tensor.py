@@ -191,8 +191,8 @@ _DEVICE: dict = {}
 def _wrapper_device() -> torch.device:
     w = world()
     d = _DEVICE.get(w)
-    if d is None:
-        d = _DEVICE[w] = w.torch_device(w.local_devices[0])
+    if d is None:  # a meta world's host is the CPU: what a step makes on ``x.device`` is host work
+        d = _DEVICE[w] = torch.device("cpu") if w.device_type == "meta" else w.torch_device(w.local_devices[0])
     return d
 
 

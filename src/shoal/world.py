@@ -6,13 +6,14 @@ One process with K virtual CPU devices is the default; nothing outside this modu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["World", "init", "world", "is_initialized", "shutdown", "FAILED_KEY", "ALIVE_KEY", "HEARTBEAT"]
+__all__ = ["World", "init", "world", "is_initialized", "shutdown", "meta_world", "FAILED_KEY", "ALIVE_KEY", "HEARTBEAT"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +21,7 @@ class World:
     processes: int
     devices_per_process: int
     rank: int
-    device_type: str  # "cpu" or "cuda"
+    device_type: str  # "cpu", "cuda", or "meta" (devices that hold shapes, not data: plans are traced, not run)
     local_rank: int = 0  # this process's index on its host (picks its GPUs)
     timeout: float = 60.0  # seconds a collective waits for a peer before it fails
     gpus: int = 0  # one process's devices share this many GPUs (0: a GPU each)
@@ -44,8 +45,8 @@ class World:
 
     def torch_device(self, device: int) -> torch.device:
         """The torch device that holds global device ``device``'s shards (owned devices only)."""
-        if self.device_type == "cpu":
-            return torch.device("cpu")
+        if self.device_type in ("cpu", "meta"):
+            return torch.device(self.device_type)
         k = self.devices_per_process
         if self.gpus:  # several virtual devices per GPU, round robin
             return torch.device(self.device_type, (device % k) % self.gpus)
@@ -70,7 +71,9 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
          share_gpus: bool = False, memory_per_device: int | str | None = None) -> World:
     """Set up the world.
 
-    One process (default): ``devices`` virtual devices (default ``$SHOAL_DEVICES`` or 1). Under
+    One process (default): ``devices`` virtual devices (default ``$SHOAL_DEVICES`` or 1);
+    ``device_type="meta"``: devices whose shards are meta tensors (shapes, no memory; host work
+    stays on the CPU), for tracing and pricing a plan for a cluster this machine cannot hold. Under
     torchrun / ``shoal run`` (``RANK``, ``WORLD_SIZE`` set): one process per rank, each owning
     ``$SHOAL_DEVICES_PER_PROCESS`` devices (or ``devices`` // processes), over torch.distributed
     (gloo on CPU, NCCL on CUDA) with a ``timeout`` in seconds (default ``$SHOAL_TIMEOUT`` or 60)
@@ -84,10 +87,10 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
     budget = parse_bytes(memory_per_device)
     if device_type is None:
         device_type = os.environ.get("SHOAL_DEVICE_TYPE", "cpu")
-    if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"shoal.init: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if device_type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"shoal.init: device_type must be 'cpu', 'cuda' or 'meta', got {device_type!r}")
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    if "RANK" in os.environ and processes > 1:
+    if "RANK" in os.environ and processes > 1 and device_type != "meta":
         _WORLD = _init_distributed(devices, device_type, processes, timeout).with_budget(budget)
         return _WORLD
     if devices is None:
@@ -303,3 +306,17 @@ def world() -> World:
 
 def is_initialized() -> bool:
     return _WORLD is not None
+
+
+@contextlib.contextmanager
+def meta_world(devices: int):
+    """A one-process world of ``devices`` meta devices for the duration (``init(device_type="meta")``),
+    then the world before it: a plan for more devices than this machine has, or a model larger than
+    its memory, traced as shoal would run it (``auto.census``)."""
+    global _WORLD
+    before = _WORLD
+    _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type="meta")
+    try:
+        yield _WORLD
+    finally:
+        _WORLD = before

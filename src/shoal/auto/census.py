@@ -5,9 +5,12 @@ boxings around it (``dispatch.decide``), and on the bundled GPT it picks other l
 Megatron-LM's pattern (the vocabulary-parallel embedding's partial sum is reduce-scattered over the
 batch, and each layer then runs batch-split with its split weights all-gathered where they are used).
 ``census(mcfg, tp, micro_batch, seq)`` compiles a training step of one- and two-layer twins of the
-GPT under its tp plan on this process's virtual devices and counts each collective (``Collective``: kind,
-bytes, group size), so the cost model prices the collectives of the step
-shoal runs. It needs a world of the plan's devices and a model small enough to build (else None).
+GPT under its tp plan and counts each collective (``Collective``: kind, bytes, group size), so the
+cost model prices the collectives of the step shoal runs. The twins are traced in a world of ``tp``
+meta devices (``world.meta_world``): parameters, activations and optimizer state are shapes, not
+memory, so a twin of GPT-3's width (hidden 12288, two layers, 4 billion parameters) is traced in
+seconds on this machine. One tensor-parallel group stands for every data-parallel replica and
+pipeline stage (they run the same code), and two layers for all of a stage's (identical) layers.
 """
 
 from __future__ import annotations
@@ -20,13 +23,10 @@ import torch
 
 from ..mesh import Mesh
 from ..models import gpt
-from ..world import is_initialized, world
+from ..world import meta_world, world
 from .config import Parallel
 
 __all__ = ["Collective", "Census", "census", "count"]
-
-_LIMIT = 2**22  # parameters of the two-layer twin built for real (a one-process census, not a run at scale)
-
 
 @dataclass(frozen=True, slots=True)
 class Collective:
@@ -70,25 +70,24 @@ def census(mcfg: gpt.GPTConfig, tp: int, micro_batch: int, seq: int, recompute: 
            precision: str = "fp32") -> Census | None:
     """The tensor-parallel collectives of a micro-batch of ``micro_batch`` sequences of ``seq`` tokens
     through a bundled GPT of config ``mcfg`` laid out on ``tp`` devices (``Parallel.to_plan``), as
-    shoal compiles its training step; None where this process cannot build it (a world of fewer than
-    ``tp`` virtual devices, a model too large to build two-layer twins of). With dp or pp beside tp,
-    each tp group runs this; the data-parallel gradient reduction and the stages' send/recv are not in it."""
-    if tp < 2 or not is_initialized() or world().size < tp:
+    shoal compiles its training step (None for tp 1: no collectives). With dp or pp beside tp, each
+    tp group runs this; the data-parallel gradient reduction and the stages' send/recv are not in it."""
+    if tp < 2:
         return None
     twin = dataclasses.replace(mcfg, n_layer=2, block_size=seq, dropout=0.0)
-    with torch.device("meta"):
-        if sum(p.numel() for p in gpt.GPT(twin).parameters()) > _LIMIT:
-            return None
     cfg = Parallel(tp=tp, pp=1, dp=1, micro_batch=micro_batch, recompute=recompute, precision=precision)
     return _census(twin, cfg)
 
 
 @cache
 def _census(twin: gpt.GPTConfig, cfg: Parallel) -> Census:
-    return Census(*(tuple(_step(dataclasses.replace(twin, n_layer=k), cfg)) for k in (1, 2)))
+    with meta_world(cfg.tp):
+        return Census(*(tuple(traced_step(dataclasses.replace(twin, n_layer=k), cfg)) for k in (1, 2)))
 
 
-def _step(mcfg: gpt.GPTConfig, cfg: Parallel) -> list[Collective]:
+def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel) -> list[Collective]:
+    """The collectives of a training step of a bundled GPT of config ``mcfg`` under ``cfg``'s tp plan
+    on the world's first ``cfg.tp`` devices (built on the meta device in a meta world)."""
     from ..graph.api import compile as compile_step  # the compiler, as the step would run
     from ..parallel import distribute_module
     from ..train import train_step
@@ -96,7 +95,8 @@ def _step(mcfg: gpt.GPTConfig, cfg: Parallel) -> list[Collective]:
     mesh = Mesh(list(range(cfg.tp)), axes=("tp",))
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        base = gpt.GPT(mcfg)
+        with torch.device("meta" if world().device_type == "meta" else "cpu"):
+            base = gpt.GPT(mcfg)
     plan, options = cfg.to_plan(mesh, batch=cfg.micro_batch)
     model = distribute_module(base, mesh, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
