@@ -275,6 +275,28 @@ def test_census_counts_the_collectives_shoal_compiles_for_a_tp_plan():
     assert census(cfg, 1, 2, 16) is None  # no tp: no collectives (Megatron's pattern, none)
 
 
+@pytest.mark.parametrize("width,heads,vocab,seq,tp,precision,itemsize",
+                         [(32, 4, 96, 16, 2, "fp32", 4), (12288, 96, 51200, 2048, 8, "bf16", 2)])
+def test_gpt_tp_plan_runs_megatrons_collectives(width, heads, vocab, seq, tp, precision, itemsize):
+    """The GPT's tp plan as shoal runs it (its traced step, ``census``), at a toy width and at
+    GPT-3's: each layer adds Megatron-LM's four all-reduces of one layer's activations (the
+    attention's and the MLP's partial sums in forward, their inputs' gradients in backward) and
+    its few replicated parameters' gradients to the bucket, nothing else. (Dispatch left to itself
+    reduce-scatters instead and moves weights at every matmul: at GPT-3's width about 18x the time.)"""
+    from collections import Counter
+
+    from shoal.auto.census import Collective, census
+
+    cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=2, n_head=heads, n_embd=width)
+    counted = census(cfg, tp, 1, seq, "none", precision)
+    act = seq * width * itemsize
+    added = Counter(counted.two) - Counter(counted.one)
+    assert added[Collective("all_reduce", act, tp)] == 4
+    rest = sum(c.nbytes for c in counted.two) - sum(c.nbytes for c in counted.one) - 4 * act
+    assert 0 <= rest <= 6 * width * 4  # layer norms' and row-parallel biases' gradients (fp32), at most
+    assert {c.kind for c in added} == {"all_reduce"}
+
+
 def test_census_traces_more_devices_and_larger_models_than_this_machine_holds():
     """GPT-3's width (hidden 12288, 96 heads, vocabulary 51,200) on tp=8, more devices than the
     4-device world: the twins (4 billion parameters, 16 GB in fp32, with Adam's state 64 GB) are

@@ -67,9 +67,17 @@ def test_compiled_steps_match_eager(name, kind):
 
 def test_no_collective_hands_one_tensor_to_devices_that_write_it():
     """Gradients kept between steps (zero_grad(set_to_none=False)) are zeroed in place after the
-    bucketed all-reduce made them: each device must own its copy, else zeroing one device's
-    gradient races another device still reading its own for the update."""
-    model, _ = build("gpt", "dp,tp")
+    collective that made them: each device must own its copy, else zeroing one device's gradient
+    races another device still reading its own for the update. (The GPT's dp,tp plan without its
+    output layouts: dispatch then boxes weight gradients into their parameters' layouts by
+    all-to-alls, whose results are those gradients.)"""
+
+    def build_greedy():
+        mesh = mesh_for("dp,tp")
+        plan = dataclasses.replace(gpt.plans(mesh, "dp,tp"), outputs={})
+        return shoal.distribute_module(initial("gpt"), mesh, plan)
+
+    model = build_greedy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def keep_grads(model, opt, x, y):
@@ -96,7 +104,7 @@ def test_no_collective_hands_one_tensor_to_devices_that_write_it():
     for op in shared:
         assert not {root(x) for x in (*op.out_ids, *op.reads)} & written, op.name()
     # and the steps match eager
-    eager, _ = build("gpt", "dp,tp")
+    eager = build_greedy()
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     keep_grads(eager, eager_opt, *batches("gpt")[0])
     keep_grads(eager, eager_opt, *batches("gpt")[0])

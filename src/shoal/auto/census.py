@@ -1,9 +1,10 @@
 """The collectives shoal's own dispatch runs for a plan, read off its compiled step.
 
 A plan's ``tp`` layouts do not pin every op's layout: dispatch picks each op's signature and the
-boxings around it (``dispatch.decide``), and on the bundled GPT it picks other layouts than
-Megatron-LM's pattern (the vocabulary-parallel embedding's partial sum is reduce-scattered over the
-batch, and each layer then runs batch-split with its split weights all-gathered where they are used).
+boxings around it (``dispatch.decide``) by the cost of its own inputs. The GPT's plans pin each
+sub-block's output (``layers.megatron_outputs``), so its step runs Megatron-LM's all-reduces; without
+them dispatch reduce-scatters each partial sum and then runs each layer batch-split with its split
+weights moved to it, which at GPT-3's width costs about 18x the collective time per layer.
 ``census(mcfg, tp, micro_batch, seq)`` compiles a training step of one- and two-layer twins of the
 GPT under its tp plan and counts each collective (``Collective``: kind, bytes, group size), so the
 cost model prices the collectives of the step shoal runs. The twins are traced in a world of ``tp``

@@ -16,7 +16,7 @@ from ..mesh import Mesh
 from ..parallel import Plan
 from ..sbp import S
 from . import kinds
-from .layers import Block, init_weights, megatron_block
+from .layers import Block, init_weights, megatron_block, megatron_outputs
 
 __all__ = ["BERTConfig", "BERT", "plans", "IGNORE"]
 
@@ -69,8 +69,9 @@ def plans(mesh: Mesh, kind: str) -> Plan:
     batch split on the data-parallel axis; Megatron blocks, the token embedding split on the
     vocabulary and the decoder column-parallel (logits split on the vocabulary) on the tensor one."""
     ax = kinds.axes(mesh, kind)
-    params = {}
+    params, outputs = {}, {}
     if ax.tp is not None:
         col, row = ax.layout(tp=S(0)), ax.layout(tp=S(1))
         params = {**megatron_block("blocks.*", col, row), "tok_emb.weight": col, "decoder.*": col}
-    return Plan(params=params, inputs={"": ax.layout(dp=S(0))}, zero=kinds.ZERO.get(kind, 0))
+        outputs = megatron_outputs("blocks.*", ax.layout(dp=S(0)), "tok_emb")
+    return Plan(params=params, inputs={"": ax.layout(dp=S(0))}, outputs=outputs, zero=kinds.ZERO.get(kind, 0))

@@ -78,6 +78,15 @@ def megatron_block(prefix: str, col, row) -> dict:
     }
 
 
+def megatron_outputs(prefix: str, layout, *embeddings: str) -> dict:
+    """Megatron-LM's activation layout for ``Block``s under ``prefix``: each attention's and MLP's
+    output (a row-parallel layer's partial sum) all-reduced into ``layout`` (Broadcast on tp), and so
+    the vocabulary-parallel ``embeddings``' outputs. Left to itself, dispatch reduce-scatters each
+    partial sum (half an all-reduce) and then moves weights around the batch-split activations at
+    every matmul: at GPT-3's width on tp=8, 18x the collective time per layer (``auto.census``)."""
+    return {f"{prefix}.attn": layout, f"{prefix}.mlp": layout, **{e: layout for e in embeddings}}
+
+
 def init_weights(m: nn.Module) -> None:
     """GPT-2 style: normal(0.02) weights for Linear and Embedding, zero biases."""
     if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -34,8 +34,11 @@ Layout = SBP | Sequence[SBP]
 @dataclass(frozen=True)
 class Plan:
     """How a module is laid out. ``params``: name pattern -> layout (unmatched: Broadcast).
-    ``inputs``/``outputs``: submodule name ("" is the module itself) -> layout of each tensor
-    argument / result (one layout for all, or a sequence matching the positional tensors).
+    ``inputs``/``outputs``: submodule name or name pattern (fnmatch: "blocks.*.attn"; "" is the
+    module itself) -> layout of each tensor argument / result (one layout for all, or a sequence
+    matching the positional tensors). Dispatch picks each op's layouts by the cost of its own inputs'
+    boxing (greedy); an output layout fixes where a sub-block's result goes, e.g. Megatron-LM's
+    all-reduce of a row-parallel layer's partial sums (the GPT's tp plans do this).
     ``stages``: pipeline stages, submodule name pattern -> stage index (or "auto": contiguous
     stages balanced by parameter count); stage ``i`` lives on the sub-mesh ``stage_axis = i % p``
     and the ``params`` layouts then name the other axes. ``zero``: 0 none, 1 optimizer state split over
@@ -56,11 +59,11 @@ class Plan:
 
     def staged(self, stages: Mapping[str, int] | str) -> Plan:
         """A plan for the whole mesh with a stage axis in front, from this one written for one stage's
-        sub-mesh: its parameter layouts (they name the other axes), the module's batch Broadcast over
-        the stage axis, and ``stages``; nothing else of it is carried."""
+        sub-mesh: its parameter layouts and its submodules' output layouts (they name the other axes),
+        the module's batch Broadcast over the stage axis, and ``stages``; nothing else is carried."""
         batch = self.inputs.get("", ())
         return Plan(params=self.params, inputs={"": (Broadcast(), *(batch if isinstance(batch, tuple) else (batch,)))},
-                    stages=stages)
+                    outputs={k: v for k, v in self.outputs.items() if k}, stages=stages)
 
 
 def distribute_module(
@@ -116,9 +119,12 @@ def distribute_module(
         )
     modules = dict(module.named_modules())
     for name, layout in plan.inputs.items():
-        _sub(modules, name, "inputs").register_forward_pre_hook(_relayout_hook(mesh, layout, f"inputs of {name!r}"))
+        for sub in _subs(modules, name, "inputs"):
+            modules[sub].register_forward_pre_hook(_relayout_hook(mesh, layout, f"inputs of {sub!r}"))
     for name, layout in plan.outputs.items():
-        _sub(modules, name, "outputs").register_forward_hook(_output_hook(mesh, layout, f"outputs of {name!r}"))
+        for sub in _subs(modules, name, "outputs"):  # under stages: onto the submodule's stage's sub-mesh
+            where = mesh if staged is None or not sub else staged.mesh_of(sub)
+            modules[sub].register_forward_hook(_output_hook(where, layout, f"outputs of {sub!r}"))
     return module
 
 
@@ -365,10 +371,15 @@ def _fit(layout: Layout, mesh: Mesh, t: torch.Tensor, name: str):
     return normalize_sbp(layout, mesh.ndim, t.ndim, f"distribute_module: layout of {name!r}")
 
 
-def _sub(modules: dict, name: str, what: str) -> nn.Module:
-    if name not in modules:
-        raise ValueError(f"distribute_module: plan.{what} names submodule {name!r}, which does not exist")
-    return modules[name]
+def _subs(modules: dict, name: str, what: str) -> list[str]:
+    """The submodules ``name`` names: itself, or those its pattern matches."""
+    if name in modules:
+        return [name]
+    hits = [m for m in modules if m and fnmatch.fnmatchcase(m, name)]
+    if not hits:
+        raise ValueError(f"distribute_module: plan.{what} names submodule {name!r}, which does not exist "
+                         f"(names look like {[m for m in modules if m][:5]})")
+    return hits
 
 
 def _relayout_fn(mesh: Mesh, layout, what: str):
