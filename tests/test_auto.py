@@ -108,6 +108,8 @@ def test_search_on_gpt3_175b_fits_and_beats_every_megatron_style_hand_plan():
     assert time.perf_counter() - t0 < 60
     assert est.fits and est.memory_per_device <= 80e9
     assert est.runner_up is not None and est.runner_up.step_seconds >= est.step_seconds
+    # the finalists' tp collectives are those of shoal's own step, traced at GPT-3's width
+    assert cfg.tp > 1 and est.traced and "shoal's traced step" in est.explain()
     assert not cfg.sequence_parallel  # proposed plans run in shoal as is: its GPT plans lay out no sp
     free_sp = dataclasses.replace(cfg, sequence_parallel=None)
     _, what_if = auto.search(model, cluster, batch=1536, seq=2048, fixed=free_sp, runnable=False, layouts=False)

@@ -4,13 +4,16 @@ pruned by memory first, priced by the closed forms of ``simulate``; the fastest 
 Tensor parallelism stays inside a node (divisors of the node size that divide the heads), pipeline
 stages divide the layers, data parallelism takes the rest; micro-batch sizes, schedules (virtual
 stages for the interleaved one), ZeRO 0-3, recomputation and sequence parallelism are enumerated.
-Fields set in ``fixed`` are kept. Where the winner has tensor parallelism, per-op layouts for its
+Fields set in ``fixed`` are kept. The ``TRACED`` fastest that fit are priced again with the
+tensor-parallel collectives of shoal's own traced step (``census``: a tp group of meta devices,
+any width) and ranked by that. Where the winner has tensor parallelism, per-op layouts for its
 tp group are chosen by the integer program (``layouts.gpt_layouts``) beside Megatron-LM's pattern,
 and ``Estimate.layouts`` / ``explain()`` report both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -25,6 +28,7 @@ from .simulate import DTYPES, Estimate, check, estimate
 __all__ = ["search", "candidates", "MICRO_BATCHES"]
 
 MICRO_BATCHES = (1, 2, 4, 8)
+TRACED = 8  # the closed forms' fastest configurations priced again on shoal's traced step
 VIRTUAL = (2, 4)
 
 
@@ -61,11 +65,13 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
 
 
 def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = None,
-           fixed: Parallel | None = None, runnable: bool = True, layouts: bool = True) -> tuple[Parallel, Estimate]:
+           fixed: Parallel | None = None, runnable: bool = True, layouts: bool = True,
+           traced: bool = True) -> tuple[Parallel, Estimate]:
     """The fastest configuration that fits (``Estimate.runner_up``: the second); a clear error if none
     fits, naming the closest. ``runnable``: only plans shoal runs as is (``candidates``); False also
     prices sequence parallelism, which the cost model knows but the GPT's plans do not lay out.
-    ``layouts``: a winner with tp > 1 gets per-op layouts for its tp group (``Estimate.layouts``)."""
+    ``layouts``: a winner with tp > 1 gets per-op layouts for its tp group (``Estimate.layouts``).
+    ``traced``: the ``TRACED`` fastest are priced again on shoal's traced step (``census``)."""
     mcfg = gpt_config(model)
     seq = seq or mcfg.block_size
     best: list[Estimate] = []
@@ -77,13 +83,18 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
             if closest is None or est.memory_per_device < closest.memory_per_device:
                 closest = est
             continue
-        best = sorted([*best, est], key=lambda e: e.step_seconds)[:2]
+        best = sorted([*best, est], key=lambda e: e.step_seconds)[:TRACED if traced else 2]
     if not best:
         if closest is None:
             raise ValueError(f"auto.search: no configuration agrees with {fixed} for batch {batch} on "
                              f"{cluster.devices} devices; free more of its fields")
         raise ValueError(f"auto.search: nothing fits in {cluster.memory / 1e9:.0f} GB per device; the closest, "
                          f"{closest.cfg}, needs {closest.memory_per_device / 1e9:.1f} GB; add devices")
+    if traced and not cluster.census:
+        counted = dataclasses.replace(cluster, census=True)
+        best = sorted((estimate(profile(model, e.cfg.micro_batch, seq, DTYPES[e.cfg.precision]), mcfg, counted,
+                                e.cfg, batch, seq, batch // (e.cfg.dp * e.cfg.micro_batch)) for e in best),
+                      key=lambda e: e.step_seconds)
     winner = best[0]
     winner.runner_up = best[1] if len(best) > 1 else None
     if layouts and winner.cfg.tp > 1:

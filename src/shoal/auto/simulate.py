@@ -56,6 +56,7 @@ class Estimate:
     runner_up: Estimate | None = field(default=None, repr=False)
     # (the integer program's per-op layouts, Megatron's priced alike) for one tp group (``search``)
     layouts: tuple | None = field(default=None, repr=False)
+    traced: bool = False  # the tp collectives are those of shoal's traced step (``census``), not Megatron's formula
 
     @property
     def memory_per_device(self) -> float:
@@ -85,6 +86,10 @@ class Estimate:
         total = sum(self.breakdown.values())
         for k, v in sorted(self.breakdown.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {k:<22} {v:9.4f} s  {100 * v / total:5.1f}%")
+        if c.tp > 1:
+            lines.append("  tensor-parallel collectives: " + (
+                "those of shoal's traced step (a tp group of meta devices, 1- and 2-layer twins: auto.census)"
+                if self.traced else "Megatron-LM's pattern (two all-reduces per layer each way, closed form)"))
         lines.append(f"  memory on the fullest device ({byte_size(self.memory_per_device)} of "
                      f"{byte_size(self.cluster.memory)}: {'fits' if self.fits else 'DOES NOT FIT'}):")
         for k, v in sorted(self.memory.items(), key=lambda kv: -kv[1]):
@@ -229,7 +234,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]  # one layer's output, a micro-batch
     recompute = c.recompute == "full"
     layers = mcfg.n_layer // c.pp
-    tp_comm = _tp_seconds(prof, mcfg, cluster, c, seq, act, layers)  # a micro-batch through a stage
+    tp_comm, traced = _tp_seconds(prof, mcfg, cluster, c, seq, act, layers)  # a micro-batch through a stage
     fwd = layers * layer.forward
     bwd = layers * (layer.backward + (layer.forward if recompute else 0.0))
     stage_compute = fwd + bwd + max(embed.forward + embed.backward, head.forward + head.backward)
@@ -272,23 +277,25 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     own *= batch // c.micro_batch
     per_device = 1e12 * step * cluster.devices
     return Estimate(c, cluster, batch, seq, step, mega / per_device, own / per_device,
-                    own / (step * cluster.devices * peak), memory, breakdown)
+                    own / (step * cluster.devices * peak), memory, breakdown, traced=traced)
 
 
-def _tp_seconds(prof: Profile, mcfg, cluster: Cluster, c: Parallel, seq: int, act: float, layers: int) -> float:
-    """Seconds of a micro-batch's tensor-parallel collectives through a stage of ``layers`` layers: the
-    ones shoal's dispatch runs (``census``) where the cluster says so and this process can count them,
-    else Megatron-LM's: an all-reduce of a layer's output per row-parallel layer in forward (again in
-    recomputation), one per column-parallel region's input in backward (with sequence parallelism a
-    reduce-scatter and an all-gather: the same time)."""
+def _tp_seconds(prof: Profile, mcfg, cluster: Cluster, c: Parallel, seq: int, act: float,
+                layers: int) -> tuple[float, bool]:
+    """Seconds of a micro-batch's tensor-parallel collectives through a stage of ``layers`` layers, and
+    whether they were traced: the ones shoal's step runs (``census``) where the cluster says so (and
+    sequence parallelism, which shoal's plans do not lay out, is off), else Megatron-LM's: an
+    all-reduce of a layer's output per row-parallel layer in forward (again in recomputation), one
+    per column-parallel region's input in backward (with sequence parallelism a reduce-scatter and
+    an all-gather: the same time)."""
     if c.tp == 1:
-        return 0.0
-    counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision) if cluster.census else None
-    if counted is not None:
-        return counted.seconds(lambda k: cluster.collective(k.kind, k.nbytes, k.n), layers)
+        return 0.0, False
+    if cluster.census and not c.sequence_parallel:
+        counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision)
+        return counted.seconds(lambda k: cluster.collective(k.kind, k.nbytes, k.n), layers), True
     recompute = c.recompute == "full"
     return layers * cluster.all_reduce(act, c.tp) * (prof.allreduces_forward * (2 if recompute else 1)
-                                                      + prof.allreduces_backward)
+                                                      + prof.allreduces_backward), False
 
 
 def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int, sp: bool) -> dict[str, float]:
