@@ -188,6 +188,7 @@ def test_shoal_plan_json():
     assert {"plan", "step_seconds", "tflops_per_device", "memory_per_device_bytes", "fits"} <= set(out)
     cfg = auto.Parallel.parse(out["plan"])
     assert (cfg.tp, cfg.pp, cfg.dp) == (8, 8, 16) and out["fits"] and out["memory_per_device_bytes"] <= 80e9
+    assert out["tp_collectives"] == "traced"  # the search's finalists are priced on shoal's traced step
     bad = subprocess.run(args[:-3] + ["--plan", "tp=3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("shoal plan: error:") and "Traceback" not in bad.stderr
 

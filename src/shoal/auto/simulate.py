@@ -70,7 +70,8 @@ class Estimate:
         return {"plan": str(self.cfg), "step_seconds": self.step_seconds, "tflops_per_device": self.tflops_per_device,
                 "model_tflops_per_device": self.model_tflops_per_device, "mfu": self.mfu,
                 "memory_per_device_bytes": int(self.memory_per_device), "fits": self.fits,
-                "breakdown_seconds": self.breakdown, "memory_bytes": {k: int(v) for k, v in self.memory.items()}}
+                "breakdown_seconds": self.breakdown, "memory_bytes": {k: int(v) for k, v in self.memory.items()},
+                "tp_collectives": "traced" if self.traced else "megatron"}
 
     def explain(self) -> str:
         c = self.cfg
