@@ -590,3 +590,20 @@ def test_devices_sharing_gpus_map_round_robin():
     assert [w.torch_device(d) for d in range(4)] == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
     one_each = World(processes=2, devices_per_process=2, rank=1, device_type="cuda", local_rank=1)
     assert [one_each.torch_device(d) for d in (2, 3)] == [torch.device("cuda", 2), torch.device("cuda", 3)]
+
+
+def test_a_meta_world_lays_out_more_than_this_machine_holds():
+    """shoal.init(device_type="meta"): shards are meta tensors (no memory), host work stays on the
+    CPU; a 16384-wide layer (1 GiB of weights) on 64 devices computes shapes and layouts as a real
+    world would."""
+    shoal.init(devices=64, device_type="meta")  # conftest puts the 4-device world back after the test
+    mesh = Mesh(torch.arange(64).reshape(8, 8).tolist(), axes=("dp", "tp"))
+    lin = shoal.distribute_module(torch.nn.Linear(1 << 14, 1 << 14, device="meta"), mesh,
+                                  {"weight": (B, S(0)), "bias": (B, S(0))})  # 1 GiB of weights, never allocated
+    x = shoal.to_global(torch.ones(64, 1 << 14), mesh, (S(0), B))
+    assert x.device.type == "cpu" and all(s.device.type == "meta" for s in x.to_local().values())
+    y = lin(x)
+    assert y.shape == (64, 1 << 14) and y.sbp == (S(0), S(1))
+    assert all(s.device.type == "meta" and s.shape == (8, 2048) for s in y.to_local().values())
+    with pytest.raises(ValueError, match="'cpu', 'cuda' or 'meta'"):
+        shoal.init(devices=2, device_type="tpu")
