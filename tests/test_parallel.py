@@ -141,6 +141,32 @@ def test_gradients_on_one_device_are_whole_at_once():
     assert len({p.grad._shards[0].untyped_storage().data_ptr() for p in params}) == len(params)  # no bucket
 
 
+def test_gradient_buckets_fill_to_the_size_for_the_device_type(monkeypatch):
+    """Buckets of ``comm.bucket_bytes()`` per device (1 MiB on CPU, DDP's 25 MiB on CUDA): with a
+    bucket of one byte each of the MLP's four gradients starts an all-reduce of its own, with the
+    default all four share one; the values are the same."""
+    from shoal import comm
+
+    mesh = _mesh((4,))
+    ref = make_mlp()
+    ((ref(X) - Y) ** 2).mean().backward()
+    assert comm.bucket_bytes() == comm.BUCKET_BYTES["cpu"] and comm.BUCKET_BYTES["cuda"] == 25 << 20
+    counts = []
+    for size in (1, None):
+        if size is not None:
+            monkeypatch.setitem(comm.BUCKET_BYTES, "cpu", size)
+        else:
+            monkeypatch.undo()
+        m = shoal.distribute_module(make_mlp(), mesh, shoal.data_parallel(mesh))
+        assert m._shoal_reducer.bucket_bytes == comm.bucket_bytes()
+        with shoal.CommCounter() as cc:
+            ((m(X) - Y) ** 2).mean().backward()
+        counts.append(cc.counts["all_reduce"])
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert_same_value(p.grad, q.grad, "grad")
+    assert counts[0] >= counts[1] + 3, counts
+
+
 def test_data_parallel_gradients_are_reduced_in_one_bucket():
     """Four Partial gradients, one all_reduce at the end of backward, none in the optimizer step."""
     mesh = _mesh((4,))

@@ -16,6 +16,7 @@ from functools import cache
 
 import torch
 
+from ..comm import BUCKET_BYTES
 from ..mesh import Mesh
 from ..runtime import _cores, _share
 from ..sbp import Broadcast, Partial
@@ -49,7 +50,9 @@ class Cluster:
     smooth curve ``d / (d + gemm_half)`` per output dimension); ``op_overhead``: seconds per kernel;
     ``fuse``: chains of memory-bound ops run as one kernel (GPU: Megatron-LM's fused kernels, inductor);
     ``census``: tensor parallelism runs the collectives shoal's dispatch picks (``auto.census``, read off
-    the compiled step on this process's devices), not Megatron-LM's two all-reduces per layer each way."""
+    the compiled step on this process's devices), not Megatron-LM's two all-reduces per layer each way;
+    ``bucket_bytes``: the data-parallel gradients are all-reduced in buckets of this many bytes per
+    device, each paying its collective's latency (shoal's ``comm.BUCKET_BYTES`` for the device type)."""
 
     name: str
     devices: int
@@ -62,6 +65,7 @@ class Cluster:
     op_overhead: float
     fuse: bool = False
     census: bool = False
+    bucket_bytes: float = BUCKET_BYTES["cuda"]
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -334,6 +338,7 @@ def _local(devices: int) -> Cluster:
         gemm_half=16.0,  # CPU kernels block by ~16 floats (AVX-512 width)
         op_overhead=overhead,
         census=True,  # shoal's runtime runs the plans here: its dispatch's collectives, counted
+        bucket_bytes=BUCKET_BYTES["cpu"],
     )
 
 

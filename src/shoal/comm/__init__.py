@@ -33,9 +33,21 @@ __all__ = [
     "transfer",
     "broadcast_all",
     "place",
+    "bucket_bytes",
 ]
 
 Shards = Sequence[torch.Tensor | None]
+
+# Bytes per device of a bucket of gradients reduced as one all-reduce (``GradReducer``, the graph's
+# bucketing pass): in one process on CPU a reduction's latency is a few microseconds and small
+# buckets start while backward runs (DDP's first bucket, 1 MiB); across a network each collective
+# pays a latency of tens of microseconds per step of its ring, amortized by DDP's 25 MiB buckets.
+BUCKET_BYTES = {"cpu": 1 << 20, "meta": 1 << 20, "cuda": 25 << 20}
+
+
+def bucket_bytes() -> int:
+    """The gradient bucket size for this world's devices (``BUCKET_BYTES``)."""
+    return BUCKET_BYTES[world().device_type]
 
 
 def place(t: torch.Tensor, mesh, copy: bool = False) -> tuple:

@@ -217,13 +217,15 @@ def fold_views(g: Graph) -> int:
     return _rewrite(g, visit) + folded[0]
 
 
-def bucket_collectives(g: Graph, bucket_bytes: int = 1 << 20) -> int:
+def bucket_collectives(g: Graph, bucket_bytes: int | None = None) -> int:
     """Fuse all-reduces of small tensors (gradients reduced one by one) into one all-reduce per
-    bucket: flatten, reduce once, cut apart. Two all-reduces merge when they run over the same
-    devices with the same op and dtype and nothing between them reads the first one's results."""
+    bucket (``comm.bucket_bytes()`` per device): flatten, reduce once, cut apart. Two all-reduces
+    merge when they run over the same devices with the same op and dtype and nothing between them
+    reads the first one's results."""
+    from .. import comm
     from .bucket import fuse_all_reduces
 
-    return fuse_all_reduces(g, bucket_bytes)
+    return fuse_all_reduces(g, bucket_bytes or comm.bucket_bytes())
 
 
 PASSES = (("dead code", dead_code), ("aliases", elide_aliases), ("views", fold_views),

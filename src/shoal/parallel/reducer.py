@@ -19,15 +19,14 @@ from ..sbp import Broadcast, Partial
 from ..tensor import GlobalTensor
 from .memory import split_gradient
 
-__all__ = ["GradReducer", "BUCKET_BYTES"]
+__all__ = ["GradReducer"]
 
 _SUM = Partial("sum")
-BUCKET_BYTES = 1 << 20  # per device, like DDP's first bucket
 
 
 class GradReducer:
-    def __init__(self, params, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.bucket_bytes = bucket_bytes
+    def __init__(self, params, bucket_bytes: int | None = None) -> None:
+        self.bucket_bytes = bucket_bytes or comm.bucket_bytes()  # per device
         self._open: dict = {}  # (mesh, sbp, dtype, axes) -> [parameters, bytes]
         self._started: list = []  # functions finishing started buckets
         self._queued = False
