@@ -167,6 +167,27 @@ def test_gradient_buckets_fill_to_the_size_for_the_device_type(monkeypatch):
     assert counts[0] >= counts[1] + 3, counts
 
 
+def test_buckets_count_a_partial_gradient_whole_on_every_device():
+    """A data-parallel gradient is a partial sum: every device holds the whole tensor, so four of
+    six 257 KiB layers fill a 1 MiB bucket per device, started while backward goes on, and the
+    other two a second (counting a device's share as a quarter of each, all six made
+    one bucket at the end of backward, and a compiled step's one all-reduce ran after the whole
+    backward, overlapping nothing)."""
+    mesh = _mesh((4,))
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])  # noqa: E731
+    ref = make()
+    x = torch.randn(8, 256)
+    ref(x).square().mean().backward()
+    torch.manual_seed(0)
+    m = shoal.distribute_module(make(), mesh, shoal.data_parallel(mesh))
+    with shoal.CommCounter() as cc:
+        m(x).square().mean().backward()
+    assert cc.counts["all_reduce"] == 2, cc
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert_same_value(p.grad, q.grad, "grad", rtol=1e-5, atol=1e-7)
+
+
 def test_data_parallel_gradients_are_reduced_in_one_bucket():
     """Four Partial gradients, one all_reduce at the end of backward, none in the optimizer step."""
     mesh = _mesh((4,))

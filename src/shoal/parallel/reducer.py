@@ -54,7 +54,8 @@ class GradReducer:
         key = (g.spec.mesh, g.sbp, g.dtype, axes)
         bucket = self._open.setdefault(key, [[], 0])
         bucket[0].append(p)
-        bucket[1] += g.numel() * g.element_size() // max(1, g.spec.mesh.size)
+        # per device: a shard's bytes (a partial sum is the whole tensor on every device of its axis)
+        bucket[1] += next((t.numel() for t in g._shards if t is not None), 0) * g.element_size()
         if bucket[1] >= self.bucket_bytes:
             self._start(key)
         if not self._queued:
