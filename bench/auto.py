@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
@@ -24,7 +25,7 @@ from shoal.models.gpt import GPT, GPTConfig
 from shoal.train import train_step
 
 THREADS = 2
-ROUNDS = 3  # local plans measured in turn, ``steps`` steps each per round
+ROUNDS = 3  # local rounds: the preset measured again, then the plans in turn, ``steps`` steps each
 # heads, hidden, layers, TP, PP, GPUs, batch, published TFLOP/s per GPU (V = 51,200, s = 2048)
 MEGATRON = [(24, 2304, 24, 1, 1, 32, 512, 137), (48, 6144, 40, 8, 1, 256, 1024, 135),
             (96, 12288, 80, 8, 8, 1536, 2304, 148), (160, 25600, 128, 8, 64, 3072, 3072, 163)]
@@ -83,19 +84,22 @@ PLANS = {"dp": (auto.Parallel(dp=4), (4,), ("dp",)),
 
 
 def local(steps: int) -> None:
-    """The bundled GPT's compiled step on 4 virtual devices, measured (median of ``ROUNDS`` x ``steps``
-    after warm-up, the plans taking turns) beside the local preset's prediction."""
+    """The bundled GPT's compiled step on 4 virtual devices, measured beside the local preset's
+    prediction. The machine's speed drifts within minutes, so each of ``ROUNDS`` rounds measures the
+    preset again (``fresh=True``), predicts every plan with it, then measures every plan (``steps``
+    steps, the plans taking turns); a plan's prediction and measurement are the medians over rounds,
+    its ratio the median of the rounds' ratios."""
     cfg = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128)
     batch = 16
     shoal.init(devices=4)
-    cluster = auto.Cluster.preset("local", devices=4)
+    cluster = auto.Cluster.preset("local", devices=4, fresh=True)
     model_meta = meta(cfg)
     torch.manual_seed(0)
     base = GPT(cfg)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
     print(f"\nbundled GPT ({cfg}), batch {batch}, 4 virtual CPU devices, compiled step, "
-          f"torch.set_num_threads({THREADS}); local preset: {cluster.flops['fp32'] / 1e9:.1f} GFLOP/s, "
+          f"torch.set_num_threads({THREADS}); local preset (first round): {cluster.flops['fp32'] / 1e9:.1f} GFLOP/s, "
           f"{cluster.hbm / 1e9:.1f} GB/s, {cluster.op_overhead * 1e6:.1f} us/op per device; a collective "
           f"{cluster.links[0].alpha * 1e6:.0f} us + its sums and copies at "
           f"{cluster.links[0].bandwidth / 1e9:.1f} GB/s; "
@@ -107,8 +111,6 @@ def local(steps: int) -> None:
         m = 2 if par.pp else 1
         runs[name] = (auto.Parallel(**{**par.given(), "micro_batch": batch // ((par.dp or 1) * m),
                                        "precision": "fp32"}), shape, ax)
-    print("| plan | predicted ms/step | measured ms/step | predicted / measured |")
-    print("|---|---|---|---|")
     built = {}
     for name, (par, shape, axes) in runs.items():
         mesh = shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
@@ -118,25 +120,35 @@ def local(steps: int) -> None:
         step = shoal.compile(train_step, **options)
         for _ in range(3):
             step(model, opt, x, x).detach().full()
-        built[name] = (step, model, opt, [])
-    for _ in range(ROUNDS):  # the plans in turn, so that a busy moment of the machine is shared out
-        for step, model, opt, times in built.values():
+        built[name] = (step, model, opt)
+    predicted: dict = {name: [] for name in runs}
+    measured: dict = {name: [] for name in runs}
+    for r in range(ROUNDS):  # the plans in turn, so that a busy moment of the machine is shared out
+        if r:
+            cluster = auto.Cluster.preset("local", devices=4, fresh=True)
+        for name, (par, _, _) in runs.items():
+            predicted[name].append(auto.simulate(model_meta, cluster, par, batch=batch).step_seconds)
+        for name, (step, model, opt) in built.items():
+            times = []
             for _ in range(steps):
                 t0 = time.perf_counter()
                 step(model, opt, x, x).detach().full()
                 times.append(time.perf_counter() - t0)
-    pairs = {}
+            measured[name].append(statistics.median(times))
+    print("| plan | predicted ms/step | measured ms/step | predicted / measured (per round) |")
+    print("|---|---|---|---|")
+    ratio = {}
     for name, (par, _, _) in runs.items():
-        est = auto.simulate(model_meta, cluster, par, batch=batch)
-        times = sorted(built[name][3])
-        measured = times[len(times) // 2]
-        pairs[name] = (est.step_seconds, measured)
-        print(f"| {name} ({par}) | {1e3 * est.step_seconds:.1f} | {1e3 * measured:.1f} | "
-              f"{est.step_seconds / measured:.2f} |", flush=True)
-    four = {n: pairs[n] for n in PLANS}
-    within = all(0.75 <= p / m <= 1.25 for p, m in four.values())
-    ordered = sorted(four, key=lambda n: four[n][0]) == sorted(four, key=lambda n: four[n][1])
-    print(f"check (issue 20): {', '.join(four)} each within 25%: {'yes' if within else 'NO'}; "
+        rounds = [p / m for p, m in zip(predicted[name], measured[name])]
+        ratio[name] = statistics.median(rounds)
+        print(f"| {name} ({par}) | {1e3 * statistics.median(predicted[name]):.1f} | "
+              f"{1e3 * statistics.median(measured[name]):.1f} | {ratio[name]:.2f} "
+              f"({', '.join(f'{q:.2f}' for q in rounds)}) |", flush=True)
+    within = all(0.75 <= ratio[n] <= 1.25 for n in PLANS)
+    pred = {n: statistics.median(predicted[n]) for n in PLANS}
+    meas = {n: statistics.median(measured[n]) for n in PLANS}
+    ordered = sorted(PLANS, key=pred.get) == sorted(PLANS, key=meas.get)
+    print(f"check (issue 20): {', '.join(PLANS)} each within 25%: {'yes' if within else 'NO'}; "
           f"ordered as measured: {'yes' if ordered else 'NO'}")
 
 

@@ -76,11 +76,15 @@ class Cluster:
             raise ValueError("Cluster: a level of devices in one process (in_process=True) must be the only level")
 
     @staticmethod
-    def preset(name: str, devices: int) -> Cluster:
+    def preset(name: str, devices: int, fresh: bool = False) -> Cluster:
         """A described cluster of ``devices``: "a100-80gb" (DGX A100 nodes of 8) or "local" (this
-        machine's virtual devices, rates measured by a short micro-benchmark, cached per process)."""
+        machine's virtual devices, rates measured by a short micro-benchmark, cached per process;
+        ``fresh``: measured again now, for a machine whose speed drifts)."""
         if name not in PRESETS:
             raise ValueError(f"unknown cluster preset {name!r}; choose one of {', '.join(PRESETS)}")
+        if fresh:
+            for measured in (_measured, _measured_compiled_op, _measured_all_reduce):
+                measured.cache_clear()
         return replace(PRESETS[name](devices), devices=devices)
 
     def peak(self, dtype: str) -> float:
