@@ -225,8 +225,8 @@ def test_the_local_preset_is_calibrated_on_shoals_compiled_runtime():
     # the runtime gives each of 4 devices one of the caller's 2 intra-op threads, 2 run at once on 2 cores
     cores = len(os.sched_getaffinity(0))
     share = max(1, torch.get_num_threads() // min(4, cores))
-    matmul, bandwidth, plain_op = _measured(share)
     at_once = min(4, max(1, cores // share))
+    matmul, bandwidth, plain_op = _measured(share, at_once)  # measured with at_once streams computing together
     assert local.flops["fp32"] == pytest.approx(matmul * at_once / 4)
     assert local.hbm == pytest.approx(bandwidth * at_once / 4)
     assert 1e9 / 4 < local.flops["fp32"] < 1e13 and 1e8 < local.hbm < 1e12
@@ -320,3 +320,21 @@ def test_census_traces_more_devices_and_larger_models_than_this_machine_holds():
     # micro-batch's layer output (2048 x 12288 in bf16) / tp, or a weight shard
     layer = [c for c in counted.two if c not in counted.one] or counted.two
     assert max(c.nbytes for c in layer) >= 2048 * 12288 * 2 // 8
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_states_count_the_fullest_stages_parameters_and_adam_is_one_fused_update(pp):
+    """One stage holds every parameter (the embedding and the head both); of two stages the fuller
+    holds its blocks and the larger end. The update reads and writes each parameter's fp32 states
+    (28 bytes: gradient, weight, two moments read; weight, two moments written) at the device's
+    bandwidth in one fused kernel (torch's fused AdamW, as shoal's compiled steps run it), plus
+    the step count's increment."""
+    model = meta_gpt(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    first = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("tok_emb", "pos_emb")))
+    last = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("ln_f", "lm_head")))
+    want = 4 * block + first + last if pp == 1 else 2 * block + max(first, last)
+    c = auto.Cluster("x", pp, {"fp32": 1e30}, 1e30, 1e9, (Link("l", None, 1e-6, 1e9),), 1.0, 1.0, 1e-5)
+    est = auto.simulate(model, c, auto.Parallel(pp=pp, dp=1, micro_batch=4, precision="fp32"), batch=8)
+    assert est.memory["weights"] == pytest.approx(4 * want) and est.memory["optimizer state"] == pytest.approx(8 * want)
+    assert est.breakdown["optimizer"] == pytest.approx(28 * want / 1e9 + 2 * 1e-5)

@@ -10,6 +10,7 @@ Every constant of a preset says where it comes from.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, replace
 from functools import cache
@@ -231,19 +232,56 @@ def _best(fn, reps: int = 5) -> float:
     return min(times)
 
 
+def _together(make, at_once: int, reps: int = 20) -> float:
+    """Seconds of one call when ``at_once`` threads make the call at the same time, each on its own
+    tensors (``make()`` returns a thread's call): the slowest thread of a round, the best of ``reps``
+    rounds. Kernels release the GIL, so the threads' kernels share the cores as the runtime's
+    worker threads' do."""
+    calls = [make() for _ in range(at_once)]
+    if at_once == 1:
+        return _best(calls[0], reps)
+    for call in calls:
+        call()
+    best = float("inf")
+    for _ in range(reps):
+        start, took = threading.Barrier(at_once), [0.0] * at_once
+
+        def run(i, start=start, took=took):
+            start.wait()
+            t0 = time.perf_counter()
+            calls[i]()
+            took[i] = time.perf_counter() - t0
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(at_once)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        best = min(best, max(took))
+    return best
+
+
 @cache
-def _measured(threads: int) -> tuple[float, float, float]:
+def _measured(threads: int, at_once: int = 1) -> tuple[float, float, float]:
     """(matmul FLOP/s, memory bandwidth bytes/s, seconds per op) of this machine's CPU on ``threads``
-    intra-op threads: the best of 20 runs (a fraction of a second: enough to miss a busy moment of a
-    shared machine) of a 512^3 fp32 matmul, a 32 MiB copy, and a tiny add."""
+    intra-op threads while ``at_once`` such streams compute together (they share caches, memory
+    bandwidth and clock: each runs slower than one alone): the best of 20 runs (a fraction of a
+    second: enough to miss a busy moment of a shared machine) of a 512^3 fp32 matmul and a 32 MiB
+    copy, and of a tiny add alone."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
-        matmul = 2 * 512**3 / _best(lambda: a @ b, 20)
-        src = torch.randn(8 * 2**20)
-        dst = torch.empty_like(src)
-        bandwidth = 2 * src.nbytes / _best(lambda: dst.copy_(src), 20)
+        def matmul_call():
+            a, b = torch.randn(512, 512), torch.randn(512, 512)
+            return lambda: a @ b
+
+        def copy_call():
+            src = torch.randn(8 * 2**20)
+            dst = torch.empty_like(src)
+            return lambda: dst.copy_(src)
+
+        matmul = 2 * 512**3 / _together(matmul_call, at_once)
+        bandwidth = 2 * 8 * 2**20 * 4 / _together(copy_call, at_once)
         x = torch.randn(8)
         overhead = _best(lambda: [x.add(1.0) for _ in range(100)]) / 100
     finally:
@@ -257,8 +295,8 @@ def _device_rates(devices: int) -> tuple[float, float, float]:
     threads (``runtime._share``), as many devices at once as the cores hold them, so each gets that
     share's measured rate times the devices running at once over the devices."""
     share = _share(torch.get_num_threads(), min(devices, _cores()))
-    matmul, bandwidth, overhead = _measured(share)
     at_once = min(devices, max(1, _cores() // share))
+    matmul, bandwidth, overhead = _measured(share, at_once)
     return matmul * at_once / devices, bandwidth * at_once / devices, overhead
 
 

@@ -31,9 +31,10 @@ _STATES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 # bytes an Adam update moves per parameter: read gradient, master, m, v; write master, m, v; (mixed
 # precision) write the low-precision weights
 _UPDATE = {"bf16": 30, "fp16": 30, "fp32": 28}
-# ops torch's single-tensor AdamW runs per parameter tensor (step += 1, weight decay, lerp of m, mul and
-# addcmul of v, sqrt, div, add eps, addcdiv): each pays the device's per-op overhead
-_ADAM_OPS = 9
+# kernels an Adam update launches per device: torch's fused AdamW (what shoal's compiled steps run)
+# and Megatron-LM's FusedAdam go over every parameter tensor in one (multi-tensor) kernel, plus the
+# host's step-count increment
+_ADAM_KERNELS = 2
 
 
 @dataclass
@@ -249,7 +250,8 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     pipeline = m * stage / (1 - frac)
 
     w_bytes, g_bytes, o_bytes = _STATES[c.precision]
-    params = (layers * prof.block_params + max(prof.embed_params, prof.head_params)) / c.tp
+    ends = prof.embed_params + prof.head_params if c.pp == 1 else max(prof.embed_params, prof.head_params)
+    params = (layers * prof.block_params + ends) / c.tp  # the fullest stage's (one stage: all of them)
     tensors = layers * prof.block_tensors + prof.other_tensors  # the last stage's (the embedding, tied, too)
     dp_time = 0.0
     if c.dp > 1:
@@ -266,7 +268,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
             units = layers + 1
             dp_time += m * (3 if recompute else 2) * units * cluster.all_gather(params * w_bytes / units, c.dp, c.tp)
     update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm \
-        + tensors * _ADAM_OPS * cluster.op_overhead
+        + _ADAM_KERNELS * cluster.op_overhead
     step = pipeline + dp_time + update
     breakdown = {"compute": m * stage_compute, "tensor-parallel comm": m * tp_comm,
                  "pipeline send/recv": m * p2p, "pipeline bubble": pipeline - m * stage,
