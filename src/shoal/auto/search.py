@@ -74,11 +74,14 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
     ``traced``: the ``TRACED`` fastest are priced again on shoal's traced step (``census``)."""
     mcfg = gpt_config(model)
     seq = seq or mcfg.block_size
+    def price(cfg: Parallel, on: Cluster) -> Estimate:
+        prof = profile(model, cfg.micro_batch, seq, DTYPES[cfg.precision])
+        return estimate(prof, mcfg, on, cfg, batch, seq, batch // (cfg.dp * cfg.micro_batch))
+
     best: list[Estimate] = []
     closest = None
     for cfg in candidates(model, cluster, batch, fixed, runnable):
-        prof = profile(model, cfg.micro_batch, seq, DTYPES[cfg.precision])
-        est = estimate(prof, mcfg, cluster, cfg, batch, seq, batch // (cfg.dp * cfg.micro_batch))
+        est = price(cfg, cluster)
         if not est.fits:
             if closest is None or est.memory_per_device < closest.memory_per_device:
                 closest = est
@@ -92,9 +95,7 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
                          f"{closest.cfg}, needs {closest.memory_per_device / 1e9:.1f} GB; add devices")
     if traced and not cluster.census:
         counted = dataclasses.replace(cluster, census=True)
-        best = sorted((estimate(profile(model, e.cfg.micro_batch, seq, DTYPES[e.cfg.precision]), mcfg, counted,
-                                e.cfg, batch, seq, batch // (e.cfg.dp * e.cfg.micro_batch)) for e in best),
-                      key=lambda e: e.step_seconds)
+        best = sorted((price(e.cfg, counted) for e in best), key=lambda e: e.step_seconds)
     winner = best[0]
     winner.runner_up = best[1] if len(best) > 1 else None
     if layouts and winner.cfg.tp > 1:

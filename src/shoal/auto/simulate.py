@@ -255,10 +255,11 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     tensors = layers * prof.block_tensors + prof.other_tensors  # the last stage's (the embedding, tied, too)
     dp_time = 0.0
     if c.dp > 1:
-        buckets = max(1, math.ceil(params * g_bytes / cluster.bucket_bytes))  # as shoal buckets them
-        reduce = buckets * cluster.all_reduce(params * g_bytes / buckets, c.dp, c.tp)
         if c.zero >= 2:  # as shoal runs ZeRO-2/3: each gradient reduce-scattered on its own
             reduce = tensors * cluster.reduce_scatter(params * g_bytes / tensors, c.dp, c.tp)
+        else:  # all-reduced in buckets, as shoal buckets them
+            buckets = max(1, math.ceil(params * g_bytes / cluster.bucket_bytes))
+            reduce = buckets * cluster.all_reduce(params * g_bytes / buckets, c.dp, c.tp)
         overlap = layers * (layer.backward + (layer.forward if recompute else 0.0))  # the last micro-batch's
         dp_time = max(reduce - overlap, 0.0)
         if c.zero in (1, 2):  # each updated parameter gathered on its own, after its update: not hidden
