@@ -15,7 +15,7 @@ import torch
 import shoal
 from shoal import auto
 from shoal.auto.cluster import Link, ring_all_reduce
-from shoal.auto.profile import profile
+from shoal.auto.profile import _FREE, profile
 from shoal.auto.simulate import bubble_fraction, in_flight
 from shoal.models.gpt import GPT, GPTConfig
 from shoal.runtime import schedules
@@ -236,6 +236,36 @@ def test_the_local_preset_is_calibrated_on_shoals_compiled_runtime():
     alpha, link_bandwidth = _measured_all_reduce(4)
     assert local.links[0].in_process and local.links[0].alpha == alpha and 0.2 * local.op_overhead < alpha < 1e-3
     assert 1e8 < link_bandwidth == local.links[0].bandwidth
+
+
+def test_view_ops_cost_host_time_where_the_cluster_says_so():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = dict(vocab_size=96, block_size=64, n_layer=1, n_head=4, n_embd=32)
+    prof = profile(meta_gpt(**cfg), 2, 64, torch.float32)
+
+    class Views(TorchDispatchMode):  # the view ops a training step of the one-layer twin runs, but detach
+        n = 0  # and alias, which shoal's traced steps do not run (profile's _FREE)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Views.n += getattr(func, "is_view", False) and func.overloadpacket.__name__ not in _FREE
+            return func(*args, **(kwargs or {}))
+
+    model = meta_gpt(**cfg)
+    idx = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    with Views():
+        model(idx, idx)[1].backward()
+    assert sum(k for _, _, k in prof.views) == Views.n > 0
+    assert {ph for ph, where, _ in prof.views if where == "block"} == {"F", "B"}
+    # a view costs view_overhead on the host of each device; none on a GPU cluster
+    a100 = auto.Cluster.preset("a100-80gb", devices=1)
+    assert a100.view_overhead == 0.0
+    model = meta_gpt(**{**cfg, "n_layer": 3})
+    cfg1 = auto.Parallel(dp=1, micro_batch=2, precision="fp32")
+    base = auto.simulate(model, a100, cfg1, batch=4)
+    slow = auto.simulate(model, dataclasses.replace(a100, view_overhead=1e-3), cfg1, batch=4)
+    per_mb = sum(k * (3 if where == "block" else 1) for _, where, k in prof.views)
+    assert slow.step_seconds - base.step_seconds == pytest.approx(2 * per_mb * 1e-3)
 
 
 def test_collectives_in_one_process_cost_their_sums_and_copies():

@@ -10,6 +10,7 @@ Every constant of a preset says where it comes from.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -49,6 +50,9 @@ class Cluster:
     innermost first. ``gemm_efficiency``: the fraction of peak a large matrix multiply reaches;
     ``gemm_half``: the GEMM dimension at which a dimension's tile/wave losses halve the rate (the
     smooth curve ``d / (d + gemm_half)`` per output dimension); ``op_overhead``: seconds per kernel;
+    ``view_overhead``: seconds per view op (no kernel: where the host runs each op from Python under
+    one lock, as shoal's runtime does on CPU devices, a view costs what a kernel's call does; on a GPU
+    the host runs ahead of the kernels and views cost nothing);
     ``fuse``: chains of memory-bound ops run as one kernel (GPU: Megatron-LM's fused kernels, inductor);
     ``census``: tensor parallelism runs the collectives shoal's dispatch picks (``auto.census``, read off
     the compiled step on this process's devices), not Megatron-LM's two all-reduces per layer each way;
@@ -64,6 +68,7 @@ class Cluster:
     gemm_efficiency: float
     gemm_half: float
     op_overhead: float
+    view_overhead: float = 0.0
     fuse: bool = False
     census: bool = False
     bucket_bytes: float = BUCKET_BYTES["cuda"]
@@ -221,53 +226,56 @@ def _a100_80gb(devices: int) -> Cluster:
     )
 
 
-def _best(fn, reps: int = 5) -> float:
-    """The fastest of ``reps`` timed calls of ``fn`` after one warm-up call."""
+def _typical(fn, reps: int = 5) -> float:
+    """The median of ``reps`` timed calls of ``fn`` after one warm-up call: the measured steps it
+    predicts are medians too, so a calibration taken at the machine's fastest moment would under-predict
+    them on a shared machine."""
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
-def _together(make, at_once: int, reps: int = 20) -> float:
+def _together(make, at_once: int, threads: int, reps: int = 20) -> float:
     """Seconds of one call when ``at_once`` threads make the call at the same time, each on its own
-    tensors (``make()`` returns a thread's call): the slowest thread of a round, the best of ``reps``
-    rounds. Kernels release the GIL, so the threads' kernels share the cores as the runtime's
-    worker threads' do."""
-    calls = [make() for _ in range(at_once)]
+    tensors (``make()`` returns a thread's call) and ``threads`` intra-op threads: the slowest thread of
+    a round, the median of ``reps`` rounds. The threads live through all rounds and set their intra-op
+    count once, as the runtime's worker threads do (``runtime._serve``): a thread started per round
+    would start its own OpenMP team on its first kernel and measure that instead. Kernels release the
+    GIL, so the threads' kernels share the cores as the workers' do."""
     if at_once == 1:
-        return _best(calls[0], reps)
-    for call in calls:
-        call()
-    best = float("inf")
-    for _ in range(reps):
-        start, took = threading.Barrier(at_once), [0.0] * at_once
+        return _typical(make(), reps)
+    start, took = threading.Barrier(at_once + 1), [[0.0] * reps for _ in range(at_once)]
 
-        def run(i, start=start, took=took):
+    def run(i: int) -> None:
+        torch.set_num_threads(threads)
+        call = make()
+        call()
+        for r in range(reps):
             start.wait()
             t0 = time.perf_counter()
-            calls[i]()
-            took[i] = time.perf_counter() - t0
+            call()
+            took[i][r] = time.perf_counter() - t0
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(at_once)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        best = min(best, max(took))
-    return best
+    workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(at_once)]
+    for t in workers:
+        t.start()
+    for _ in range(reps):
+        start.wait()
+    for t in workers:
+        t.join()
+    return statistics.median(max(t[r] for t in took) for r in range(reps))
 
 
 @cache
 def _measured(threads: int, at_once: int = 1) -> tuple[float, float, float]:
     """(matmul FLOP/s, memory bandwidth bytes/s, seconds per op) of this machine's CPU on ``threads``
     intra-op threads while ``at_once`` such streams compute together (they share caches, memory
-    bandwidth and clock: each runs slower than one alone): the best of 20 runs (a fraction of a
-    second: enough to miss a busy moment of a shared machine) of a 512^3 fp32 matmul and a 32 MiB
-    copy, and of a tiny add alone."""
+    bandwidth and clock: each runs slower than one alone): the median of 20 runs of a 512^3 fp32
+    matmul and a 32 MiB copy, and of a tiny add alone."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -280,10 +288,10 @@ def _measured(threads: int, at_once: int = 1) -> tuple[float, float, float]:
             dst = torch.empty_like(src)
             return lambda: dst.copy_(src)
 
-        matmul = 2 * 512**3 / _together(matmul_call, at_once)
-        bandwidth = 2 * 8 * 2**20 * 4 / _together(copy_call, at_once)
+        matmul = 2 * 512**3 / _together(matmul_call, at_once, threads)
+        bandwidth = 2 * 8 * 2**20 * 4 / _together(copy_call, at_once, threads)
         x = torch.randn(8)
-        overhead = _best(lambda: [x.add(1.0) for _ in range(100)]) / 100
+        overhead = _typical(lambda: [x.add(1.0) for _ in range(100)]) / 100
     finally:
         torch.set_num_threads(before)
     return matmul, bandwidth, overhead
@@ -319,7 +327,7 @@ def _measured_compiled_op(devices: int) -> float | None:
                 t = t + 1.0
             return t
         step = compile_step(chain)
-        return _best(lambda: step(x), 20)
+        return _typical(lambda: step(x), 20)
 
     return max(seconds(110) - seconds(10), 0.0) / 100
 
@@ -327,30 +335,52 @@ def _measured_compiled_op(devices: int) -> float | None:
 @cache
 def _measured_all_reduce(devices: int) -> tuple[float, float] | None:
     """(alpha, bandwidth) of ``_in_process`` fitted to shoal's own all-reduce (Partial -> Broadcast) as
-    the compiled runtime runs it between the devices' work: the slope between steps of 1 and 11 rounds
-    of an all-reduce and the op making its result partial again (one per device, less its
-    ``_measured_compiled_op``), of a small and a 1 MiB fp32 tensor over ``devices`` virtual devices;
+    the compiled runtime runs it between the devices' work, of a small and a 1 MiB fp32 tensor over
+    ``devices`` virtual devices: the slope between steps of 1 and 21 rounds of an all-reduce, about a
+    millisecond of matmuls on each device that read its result, and the op making it partial again,
+    less the same rounds without the collectives. The devices share the cores, so a collective waits
+    for the last device's work and the devices wait for it: between busy devices this costs about
+    twice what it does between idle ones, and a training step's collectives sit between busy ones.
     None without such a world."""
     if devices < 2 or not is_initialized() or world().size < devices:
         return None
     from ..graph.api import compile as compile_step
 
     mesh = Mesh(list(range(devices)))
-    op = _measured_compiled_op(devices)
+    local = {mesh.devices[i]: torch.randn(128, 128) / 128**0.5 for i in mesh.local_positions}
+    w = from_local(local, mesh, Broadcast(), shape=(128, 128))
 
     def seconds(n: int) -> float:
-        x = from_local({mesh.devices[i]: torch.ones(n) for i in mesh.local_positions}, mesh, Partial("sum"),
-                       shape=(n,))
-
-        def rounds(k: int):
-            def chain(t):
+        def rounds(k: int, sync: bool):
+            def chain(t, u):
                 for _ in range(k):
-                    t = t.to_global(mesh, Broadcast()).to_global(mesh, Partial("sum"))
-                return t
+                    if sync:
+                        t = t.to_global(mesh, Broadcast())
+                    u = torch.tanh(u @ w + t[0])
+                    for _ in range(3):
+                        u = torch.tanh(u @ w)
+                    t = t + u[0, 0]
+                    if sync:
+                        t = t.to_global(mesh, Partial("sum"))
+                return t, u
             step = compile_step(chain)
-            return _best(lambda: step(x), 30)
+            x = from_local({d: torch.ones(n) for d in local}, mesh, Partial("sum") if sync else Broadcast(),
+                           shape=(n,))
+            step(x, w)
 
-        return max((rounds(11) - rounds(1)) / 10 - op, 0.0)
+            def timed() -> float:
+                t0 = time.perf_counter()
+                step(x, w)
+                return time.perf_counter() - t0
+            return timed
+
+        # the four steps in turn, each repetition's difference apart: the machine's speed drifts
+        steps = [rounds(21, True), rounds(21, False), rounds(1, True), rounds(1, False)]
+        diffs = []
+        for _ in range(15):
+            a, b, c, d = (f() for f in steps)
+            diffs.append((a - b - c + d) / 20)
+        return max(statistics.median(diffs), 0.0)
 
     small, large = seconds(64), seconds(2**18)
     traffic = _TRAFFIC["all_reduce"](devices) * 4
@@ -379,6 +409,7 @@ def _local(devices: int) -> Cluster:
         gemm_efficiency=1.0,  # the measured rate already is the achievable one
         gemm_half=16.0,  # CPU kernels block by ~16 floats (AVX-512 width)
         op_overhead=overhead,
+        view_overhead=overhead,
         census=True,  # shoal's runtime runs the plans here: its dispatch's collectives, counted
         bucket_bytes=BUCKET_BYTES["cpu"],
     )

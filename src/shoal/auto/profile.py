@@ -66,6 +66,7 @@ class Profile:
     allreduces_backward: int  # and in backward (inputs of column-parallel regions)
     block_tensors: int = 0  # parameter tensors of one layer, and of the rest of the model
     other_tensors: int = 0
+    views: tuple[tuple[str, str, int], ...] = ()  # (phase, where, count) of view ops: no kernel, host work
 
 
 def gpt_config(model: nn.Module) -> gpt.GPTConfig:
@@ -129,14 +130,16 @@ class _Recorder(TorchFunctionMode):
 
 
 class _Ops(TorchDispatchMode):
-    """Records each ATen op but those in ``_FREE``, with tensors counted at the compute dtype's size;
-    an embedding reads only the rows it gathers."""
+    """Records each ATen op but views and those in ``_FREE``, with tensors counted at the compute
+    dtype's size (an embedding reads only the rows it gathers); views are counted apart, by phase and
+    module (``views``)."""
 
     def __init__(self, state: dict, dtype: torch.dtype) -> None:
         super().__init__()
         self.state = state
         self.size = torch.finfo(dtype).bits // 8
         self.ops: list = []
+        self.views: dict = {}
 
     def nbytes(self, t: torch.Tensor) -> float:
         return t.numel() * (self.size if t.is_floating_point() else t.element_size())
@@ -145,7 +148,17 @@ class _Ops(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if getattr(func, "is_view", False) or name in _FREE:
+        if name in _FREE:
+            return out
+        backward = self.state["backward"]
+        where = self.state["where"] if backward else self.state["stack"][-1]
+        if where.startswith("blocks."):
+            self.state["blocks_seen"] = True
+        elif where == "" and not backward and not self.state.get("blocks_seen"):
+            where = "drop"  # the model's own ops before its first layer: the embedding's
+        if getattr(func, "is_view", False):
+            key = ("B" if backward else "F", where)
+            self.views[key] = self.views.get(key, 0) + 1
             return out
         flops = 0.0
         if func.overloadpacket in flop_registry:
@@ -156,12 +169,6 @@ class _Ops(TorchDispatchMode):
         if name in _GEMMS:
             a, b = (args[i] for i in _GEMMS[name])
             gemm = (a.shape[0] if a.ndim == 3 else 1, a.shape[-2], b.shape[-1], a.shape[-1])
-        backward = self.state["backward"]
-        where = self.state["where"] if backward else self.state["stack"][-1]
-        if where.startswith("blocks."):
-            self.state["blocks_seen"] = True
-        elif where == "" and not backward and not self.state.get("blocks_seen"):
-            where = "drop"  # the model's own ops before its first layer: the embedding's
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.ops.append((name, "B" if backward else "F", where, flops, sum(map(self.nbytes, tensors)), gemm,
                          sum(map(self.nbytes, outs))))
@@ -213,7 +220,8 @@ def _profile(cfg: gpt.GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype)
                    saved.get("head", 0.0), params["block"], params["embed"], params["head"],
                    allreduces_forward=sum(r.startswith("blocks.") for r in rows),
                    allreduces_backward=sum(r.startswith("blocks.") for r in regions),
-                   block_tensors=block_tensors, other_tensors=len(where) - block_tensors)
+                   block_tensors=block_tensors, other_tensors=len(where) - block_tensors,
+                   views=tuple((ph, place(w), k) for (ph, w), k in ops.views.items()))
 
 
 def profile(model: nn.Module, micro_batch: int, seq: int, dtype: torch.dtype = torch.bfloat16) -> Profile:

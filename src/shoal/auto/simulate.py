@@ -191,6 +191,9 @@ def _phase_seconds(prof: Profile, where: str, cluster: Cluster, peak: float, tp:
             t[op.phase] += s
             if op.phase == "B" and op.gemm is not None and op.gemm[0] == 1:
                 t["W"] += s / 2  # a linear's backward: input gradient and weight gradient, equal GEMMs
+    for phase, w, k in prof.views:
+        if w == where:
+            t[phase] += k * cluster.view_overhead
     return _Layer(t["F"], t["B"], t["W"])
 
 
