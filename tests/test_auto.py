@@ -290,22 +290,52 @@ def test_collectives_in_one_process_cost_their_sums_and_copies():
 
 
 def test_census_counts_the_collectives_shoal_compiles_for_a_tp_plan():
-    from shoal.auto.census import Collective, census, traced_step
+    from shoal.auto.census import Collective, census, count, kernels, traced_step
     from shoal.auto.config import Parallel
 
     cfg = GPTConfig(vocab_size=96, block_size=16, n_layer=3, n_head=4, n_embd=32)
     counted = census(cfg, 2, 2, 16)
-    assert counted is not None and len(counted.two) > len(counted.one) > 0
+    assert len(counted.two) > len(counted.one) > 0
     # the step of a 3-layer GPT under the same plan, compiled on this process's real (CPU) devices:
     # the meta world's one-layer twin's collectives plus twice what its second layer added,
     # collective for collective
-    whole = traced_step(dataclasses.replace(cfg, dropout=0.0),
+    graph = traced_step(dataclasses.replace(cfg, dropout=0.0),
                         Parallel(tp=2, pp=1, dp=1, micro_batch=2, recompute="none", precision="fp32"))
+    whole = count(graph)
     assert len(whole) == 2 * len(counted.two) - len(counted.one)
     assert sum(c.nbytes for c in whole) == 2 * sum(c.nbytes for c in counted.two) - sum(c.nbytes for c in counted.one)
     assert counted.seconds(lambda c: 1.0, 3) == len(whole)  # priced at a second each: the count
     assert all(isinstance(c, Collective) and c.n == 2 and c.nbytes > 0 for c in whole)
-    assert census(cfg, 1, 2, 16) is None  # no tp: no collectives (Megatron's pattern, none)
+    one = census(cfg, 1, 2, 16)
+    assert one.one == one.two == ()  # no tp: no collectives (Megatron's pattern, none)
+    # one device's kernels, in the meta world as on real devices: the 3-layer step's are the one-layer
+    # twin's and twice what the second layer added
+    assert counted.compute(len) == (len(counted.kernels_two) - len(counted.kernels_one),
+                                    2 * len(counted.kernels_one) - len(counted.kernels_two))
+    layer, rest = counted.compute(len)
+    assert len(kernels(graph)) == rest + 3 * layer
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_traced_kernels_of_a_layer_do_its_matmuls_on_the_shards(tp):
+    """A layer's four linears run 2 t h 12h FLOPs forward and twice that backward (the input's and the
+    weight's gradients): 72 t h^2 over t tokens, cut by tp; attention's products (4 t s h forward, of
+    the fused CPU kernel) are counted too."""
+    from shoal.auto.census import census
+
+    h, mb, seq = 32, 2, 16
+    counted = census(GPTConfig(vocab_size=96, block_size=seq, n_layer=2, n_head=4, n_embd=h), tp, mb, seq)
+    t = mb * seq
+
+    def linear_flops(ops):
+        return sum(o.flops for o in ops if o.name in ("mm", "addmm"))
+
+    def attention_flops(ops):
+        return sum(o.flops for o in ops if "attention" in o.name)
+
+    assert counted.compute(linear_flops)[0] == 72 * t * h * h / tp
+    assert counted.compute(attention_flops)[0] == 4 * t * seq * h / tp * (1 + 2.5)
+    assert all(o.nbytes > 0 for o in counted.kernels_two if not o.view)
 
 
 @pytest.mark.parametrize("width,heads,vocab,seq,tp,precision,itemsize",

@@ -1,4 +1,4 @@
-"""The collectives shoal's own dispatch runs for a plan, read off its compiled step.
+"""The collectives and kernels shoal's own dispatch runs for a plan, read off its compiled step.
 
 A plan's ``tp`` layouts do not pin every op's layout: dispatch picks each op's signature and the
 boxings around it (``dispatch.decide``) by the cost of its own inputs. The GPT's plans pin each
@@ -12,6 +12,10 @@ meta devices (``world.meta_world``): parameters, activations and optimizer state
 memory, so a twin of GPT-3's width (hidden 12288, two layers, 4 billion parameters) is traced in
 seconds on this machine. One tensor-parallel group stands for every data-parallel replica and
 pipeline stage (they run the same code), and two layers for all of a stage's (identical) layers.
+``kernels(graph)`` lists one device's ops of the same traced step at its shards' shapes (FLOPs and
+bytes by ``profile.op_cost``), so a cluster whose devices run what the trace runs (``Cluster.
+traced_kernels``: shoal's CPU runtime) prices compute from them too: dispatch's copies and slices and
+the kernels the device type picks (CPU's fused attention) included.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from functools import cache
 
 import torch
 
+from ..graph.ir import Ref
 from ..mesh import Mesh
 from ..models import gpt
 from ..world import meta_world, world
 from .config import Parallel
+from .profile import _FREE, OpCost, op_cost
 
-__all__ = ["Collective", "Census", "census", "count"]
+__all__ = ["Collective", "Census", "census", "count", "kernels"]
 
 @dataclass(frozen=True, slots=True)
 class Collective:
@@ -41,17 +47,25 @@ class Collective:
 
 @dataclass(frozen=True, slots=True)
 class Census:
-    """The collectives of the steps of a one-layer (``one``) and a two-layer (``two``) twin: a step of
-    l layers costs ``one``'s time plus l - 1 times the difference (gradient buckets need not line up
-    one to one, their bytes do)."""
+    """The collectives (``one``, ``two``) and one device's kernels (``kernels_one``, ``kernels_two``)
+    of the steps of a one-layer and a two-layer twin: a step of l layers costs ``one``'s time plus
+    l - 1 times the difference (gradient buckets need not line up one to one, their bytes do)."""
 
     one: tuple[Collective, ...]
     two: tuple[Collective, ...]
+    kernels_one: tuple[OpCost, ...] = ()
+    kernels_two: tuple[OpCost, ...] = ()
 
     def seconds(self, price, layers: int) -> float:
         """The step's collectives' time for ``layers`` layers, ``price(collective)`` seconds each."""
         one, two = (sum(map(price, cs)) for cs in (self.one, self.two))
         return one + (layers - 1) * (two - one)
+
+    def compute(self, price) -> tuple[float, float]:
+        """(a layer's, the rest of the model's) seconds of one device's kernels, ``price(ops)`` seconds
+        for a program's ops in order."""
+        one, two = price(self.kernels_one), price(self.kernels_two)
+        return two - one, 2 * one - two
 
 
 def count(graph) -> list[Collective]:
@@ -67,14 +81,41 @@ def count(graph) -> list[Collective]:
     return out
 
 
+def kernels(graph) -> tuple[OpCost, ...]:
+    """One device's kernels in a traced step (``shoal.compile``'s ``graph``), in program order, at its
+    shards' shapes: what it computes after dispatch's choices (the copies and slices of its boxings
+    included), less the optimizer's update (``simulate`` prices it) and the ops that move nothing."""
+    calls = [op for op in graph.ops if op.kind == "call"]
+    first = min((op.device for op in calls), default=None)
+    locs = graph.locals
+
+    def meta(x):
+        if isinstance(x, Ref):
+            local = locs[x.id]
+            return torch.empty_strided(local.shape, local.stride, dtype=local.dtype, device="meta")
+        return x
+
+    out = []
+    for op in calls:
+        name = getattr(op.fn, "overloadpacket", op.fn).__name__
+        if op.device != first or name in _FREE or name.startswith("_fused_adam"):
+            continue
+        if getattr(op.fn, "is_view", False):
+            out.append(OpCost(name, "F", "", False, 0.0, 0.0, None, view=True))
+            continue
+        args, kwargs, result = torch.utils._pytree.tree_map(meta, (op.args, op.kwargs, op.outs))
+        out.append(OpCost(name, "F", "", False, *op_cost(op.fn, args, kwargs, result,
+                                                         lambda t: t.numel() * t.element_size())))
+    return tuple(out)
+
+
 def census(mcfg: gpt.GPTConfig, tp: int, micro_batch: int, seq: int, recompute: str = "none",
-           precision: str = "fp32") -> Census | None:
-    """The tensor-parallel collectives of a micro-batch of ``micro_batch`` sequences of ``seq`` tokens
-    through a bundled GPT of config ``mcfg`` laid out on ``tp`` devices (``Parallel.to_plan``), as
-    shoal compiles its training step (None for tp 1: no collectives). With dp or pp beside tp, each
-    tp group runs this; the data-parallel gradient reduction and the stages' send/recv are not in it."""
-    if tp < 2:
-        return None
+           precision: str = "fp32") -> Census:
+    """The tensor-parallel collectives and one device's kernels of a micro-batch of ``micro_batch``
+    sequences of ``seq`` tokens through a bundled GPT of config ``mcfg`` laid out on ``tp`` devices
+    (``Parallel.to_plan``; tp 1: one device, no collectives), as shoal compiles its training step. With
+    dp or pp beside tp, each tp group runs this; the data-parallel gradient reduction and the stages'
+    send/recv are not in it."""
     twin = dataclasses.replace(mcfg, n_layer=2, block_size=seq, dropout=0.0)
     cfg = Parallel(tp=tp, pp=1, dp=1, micro_batch=micro_batch, recompute=recompute, precision=precision)
     return _census(twin, cfg)
@@ -83,17 +124,18 @@ def census(mcfg: gpt.GPTConfig, tp: int, micro_batch: int, seq: int, recompute: 
 @cache
 def _census(twin: gpt.GPTConfig, cfg: Parallel) -> Census:
     with meta_world(cfg.tp):
-        return Census(*(tuple(traced_step(dataclasses.replace(twin, n_layer=k), cfg)) for k in (1, 2)))
+        graphs = [traced_step(dataclasses.replace(twin, n_layer=k), cfg) for k in (1, 2)]
+    return Census(*(tuple(count(g)) for g in graphs), *(kernels(g) for g in graphs))
 
 
-def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel) -> list[Collective]:
-    """The collectives of a training step of a bundled GPT of config ``mcfg`` under ``cfg``'s tp plan
+def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel):
+    """The traced graph of a training step of a bundled GPT of config ``mcfg`` under ``cfg``'s tp plan
     on the world's first ``cfg.tp`` devices (built on the meta device in a meta world)."""
     from ..graph.api import compile as compile_step  # the compiler, as the step would run
     from ..parallel import distribute_module
     from ..train import train_step
 
-    mesh = Mesh(list(range(cfg.tp)), axes=("tp",))
+    mesh = Mesh(list(range(cfg.tp)), axes=cfg.axes())
     with torch.random.fork_rng():
         torch.manual_seed(0)
         with torch.device("meta" if world().device_type == "meta" else "cpu"):
@@ -105,4 +147,4 @@ def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel) -> list[Collective]:
     x = torch.zeros(cfg.micro_batch, mcfg.block_size, dtype=torch.long)
     for _ in range(2):  # the first call makes the optimizer's state eagerly, the second is traced
         step(model, opt, x, x)
-    return count(step.graph)
+    return step.graph

@@ -56,6 +56,10 @@ class Cluster:
     ``fuse``: chains of memory-bound ops run as one kernel (GPU: Megatron-LM's fused kernels, inductor);
     ``census``: tensor parallelism runs the collectives shoal's dispatch picks (``auto.census``, read off
     the compiled step on this process's devices), not Megatron-LM's two all-reduces per layer each way;
+    ``traced_kernels``: its devices run the kernels of shoal's step as traced on this process's device
+    type (``census.kernels``: CPU's fused attention, dispatch's copies and slices), so compute is priced
+    from them; elsewhere from the model's profile (a GPU's kernels are not the trace's: the published
+    Megatron-LM runs materialize attention's scores, a CPU trace runs flash attention);
     ``bucket_bytes``: the data-parallel gradients are all-reduced in buckets of this many bytes per
     device, each paying its collective's latency (shoal's ``comm.BUCKET_BYTES`` for the device type)."""
 
@@ -71,6 +75,7 @@ class Cluster:
     view_overhead: float = 0.0
     fuse: bool = False
     census: bool = False
+    traced_kernels: bool = False
     bucket_bytes: float = BUCKET_BYTES["cuda"]
 
     def __post_init__(self) -> None:
@@ -410,7 +415,8 @@ def _local(devices: int) -> Cluster:
         gemm_half=16.0,  # CPU kernels block by ~16 floats (AVX-512 width)
         op_overhead=overhead,
         view_overhead=overhead,
-        census=True,  # shoal's runtime runs the plans here: its dispatch's collectives, counted
+        census=True,  # shoal's runtime runs the plans here: its dispatch's collectives, counted,
+        traced_kernels=True,  # and its kernels
         bucket_bytes=BUCKET_BYTES["cpu"],
     )
 

@@ -18,17 +18,21 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..models import gpt
 from ..sbp import Split
 
-__all__ = ["OpCost", "Profile", "profile", "tp_modules", "gpt_config"]
+__all__ = ["OpCost", "Profile", "profile", "tp_modules", "gpt_config", "op_cost"]
 
 # ops that move no data on a GPU: views, allocations, and dtype conversions (the CPU path's upcasts of
 # low-precision attention, which a GPU kernel does in registers)
 _FREE = {"detach", "alias", "_unsafe_view", "empty_like", "empty", "new_empty", "_to_copy"}
 _DROPOUT = (torch.nn.functional.dropout, torch.dropout)  # the CPU path decomposes it into three ops
+# the fused attention CPU runs (the meta device's decomposes it into products and a softmax)
+_CPU_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu": lambda a: sdpa_flop_count(*(t.shape for t in a[:3])),
+                  "_scaled_dot_product_flash_attention_for_cpu_backward":
+                      lambda a: sdpa_backward_flop_count(*(t.shape for t in a[:4]))}
 _GEMMS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}  # op -> positions of its two factors
 
 
@@ -47,6 +51,7 @@ class OpCost:
     nbytes: float
     gemm: tuple[int, int, int, int] | None
     out_bytes: float = 0.0
+    view: bool = False  # a view op: no kernel, only the host's call (``Cluster.view_overhead``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,19 +165,28 @@ class _Ops(TorchDispatchMode):
             key = ("B" if backward else "F", where)
             self.views[key] = self.views.get(key, 0) + 1
             return out
-        flops = 0.0
-        if func.overloadpacket in flop_registry:
-            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
-        read = args[1:] if name == "embedding" else (args, kwargs)
-        tensors = [t for t in torch.utils._pytree.tree_leaves((read, out)) if isinstance(t, torch.Tensor)]
-        gemm = None
-        if name in _GEMMS:
-            a, b = (args[i] for i in _GEMMS[name])
-            gemm = (a.shape[0] if a.ndim == 3 else 1, a.shape[-2], b.shape[-1], a.shape[-1])
-        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.ops.append((name, "B" if backward else "F", where, flops, sum(map(self.nbytes, tensors)), gemm,
-                         sum(map(self.nbytes, outs))))
+        self.ops.append((name, "B" if backward else "F", where, *op_cost(func, args, kwargs, out, self.nbytes)))
         return out
+
+
+def op_cost(func, args, kwargs, out, nbytes) -> tuple:
+    """(FLOPs, bytes read and written, GEMM dims (batch, m, n, k) or None, bytes written) of the ATen
+    op ``func`` on ``args``/``kwargs`` giving ``out`` (tensors on any device, meta included),
+    ``nbytes(tensor)`` counting a tensor's bytes; an embedding reads only the rows it gathers."""
+    name = func.overloadpacket.__name__
+    flops = 0.0
+    if func.overloadpacket in flop_registry:
+        flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+    elif name in _CPU_ATTENTION:  # CPU's flash attention: torch's counts of the CUDA kernels' products
+        flops = float(_CPU_ATTENTION[name](args))
+    read = args[1:] if name == "embedding" else (args, kwargs)
+    tensors = [t for t in torch.utils._pytree.tree_leaves((read, out)) if isinstance(t, torch.Tensor)]
+    gemm = None
+    if name in _GEMMS:
+        a, b = (args[i] for i in _GEMMS[name])
+        gemm = (a.shape[0] if a.ndim == 3 else 1, a.shape[-2], b.shape[-1], a.shape[-1])
+    outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return flops, sum(map(nbytes, tensors)), gemm, sum(map(nbytes, outs))
 
 
 @cache

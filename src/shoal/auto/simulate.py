@@ -10,7 +10,7 @@ backward) and the optimizer update, and counts memory by kind. ``Estimate`` hold
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -157,10 +157,28 @@ class _Layer:
 
 def _op_seconds(op: OpCost, cluster: Cluster, peak: float, tp: int, sp: bool, tokens: int,
                 prev: OpCost | None = None) -> float:
-    """Seconds of ``op`` on one device. A memory-bound op right after another of the same output size
-    fuses with it when the cluster fuses (``Cluster.fuse``): the intermediate is neither written nor
-    read back, and the fused kernel launches once."""
+    """Seconds of the profiled op ``op`` on one of ``tp`` devices (split ops cut by tp: its FLOPs and
+    bytes, a GEMM's dims as Megatron-LM cuts them)."""
     div = tp if op.split or (sp and op.where == "block") else 1
+    if op.gemm is not None and div > 1:
+        b, m, n, k = op.gemm
+        if b > 1:
+            b = math.ceil(b / div)  # heads split: fewer batched products
+        else:  # a linear layer's weight split: the largest dim other than the tokens is cut
+            dims = [m, n, k]
+            i = max((j for j in range(3) if dims[j] != tokens), key=lambda j: dims[j], default=2)
+            dims[i] = math.ceil(dims[i] / div)
+            m, n, k = dims
+        op = replace(op, gemm=(b, m, n, k))
+    return _kernel_seconds(op, cluster, peak, prev, div)
+
+
+def _kernel_seconds(op: OpCost, cluster: Cluster, peak: float, prev: OpCost | None = None, div: int = 1) -> float:
+    """Seconds of ``op`` (its FLOPs and bytes over ``div``) on one device. A memory-bound op right after
+    another of the same output size fuses with it when the cluster fuses (``Cluster.fuse``): the
+    intermediate is neither written nor read back, and the fused kernel launches once."""
+    if op.view:
+        return cluster.view_overhead
     if op.gemm is None:
         nbytes, overhead = op.nbytes, cluster.op_overhead
         if cluster.fuse and prev is not None and prev.gemm is None and prev.phase == op.phase \
@@ -168,17 +186,20 @@ def _op_seconds(op: OpCost, cluster: Cluster, peak: float, tp: int, sp: bool, to
             nbytes, overhead = max(op.nbytes - 2 * prev.out_bytes, op.out_bytes), 0.0
         return nbytes / div / cluster.hbm + op.flops / div / peak + overhead
     b, m, n, k = op.gemm
-    if div > 1 and b > 1:
-        b = math.ceil(b / div)  # heads split: fewer batched products
-    elif div > 1:  # a linear layer's weight split: the largest dim other than the tokens is cut
-        dims = [m, n, k]
-        i = max((j for j in range(3) if dims[j] != tokens), key=lambda j: dims[j], default=2)
-        dims[i] = math.ceil(dims[i] / div)
-        m, n, k = dims
     eff = cluster.gemm_efficiency  # output tiles quantize m and n; k is looped over (its cost: the bytes)
     for d in (m, n):
         eff *= d / (d + cluster.gemm_half)
     return 2 * b * m * n * k / (peak * eff) + op.nbytes / div / cluster.hbm + cluster.op_overhead
+
+
+def _program_seconds(ops, cluster: Cluster, peak: float) -> float:
+    """Seconds of one device's kernels ``ops`` (a traced step's, ``census.kernels``), in order."""
+    total, prev = 0.0, None
+    for op in ops:
+        total += _kernel_seconds(op, cluster, peak, prev)
+        if not op.view:
+            prev = op
+    return total
 
 
 def _phase_seconds(prof: Profile, where: str, cluster: Cluster, peak: float, tp: int, sp: bool) -> _Layer:
@@ -195,6 +216,24 @@ def _phase_seconds(prof: Profile, where: str, cluster: Cluster, peak: float, tp:
         if w == where:
             t[phase] += k * cluster.view_overhead
     return _Layer(t["F"], t["B"], t["W"])
+
+
+def _traced(layer: _Layer, embed: _Layer, head: _Layer, mcfg, cluster: Cluster, c: Parallel, seq: int,
+            peak: float) -> tuple[_Layer, _Layer, _Layer]:
+    """The profiled phases scaled to the kernels one device runs in shoal's traced step (``census``,
+    a tp group of meta devices): a layer's, and the embedding's and head's together. The traced ops
+    carry no forward / backward mark, so the profile's split stands; the totals are the trace's,
+    dispatch's copies and slices and the shards' real shapes included."""
+    counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision)
+    t_layer, t_ends = counted.compute(lambda ops: _program_seconds(ops, cluster, peak))
+    again = layer.forward if c.recompute == "full" else 0.0  # the traced step recomputes; the phases do not
+    s = t_layer / (layer.forward + layer.backward + again)
+    e = t_ends / (embed.forward + embed.backward + head.forward + head.backward)
+
+    def scaled(x: _Layer, f: float) -> _Layer:
+        return _Layer(x.forward * f, x.backward * f, x.weight_grad * f)
+
+    return scaled(layer, s), scaled(embed, e), scaled(head, e)
 
 
 def simulate(model: nn.Module, cluster: Cluster, cfg: Parallel, *, batch: int, seq: int | None = None) -> Estimate:
@@ -236,6 +275,8 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     layer = _phase_seconds(prof, "block", cluster, peak, c.tp, sp)
     embed = _phase_seconds(prof, "embed", cluster, peak, c.tp, sp)
     head = _phase_seconds(prof, "head", cluster, peak, c.tp, sp)
+    if cluster.traced_kernels and not sp:  # the kernels of the step shoal compiles for the plan
+        layer, embed, head = _traced(layer, embed, head, mcfg, cluster, c, seq, peak)
     act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]  # one layer's output, a micro-batch
     recompute = c.recompute == "full"
     layers = mcfg.n_layer // c.pp
