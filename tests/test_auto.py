@@ -398,3 +398,50 @@ def test_states_count_the_fullest_stages_parameters_and_adam_is_one_fused_update
     est = auto.simulate(model, c, auto.Parallel(pp=pp, dp=1, micro_batch=4, precision="fp32"), batch=8)
     assert est.memory["weights"] == pytest.approx(4 * want) and est.memory["optimizer state"] == pytest.approx(8 * want)
     assert est.breakdown["optimizer"] == pytest.approx(28 * want / 1e9 + 2 * 1e-5)
+
+
+def test_a_plan_for_1024_devices_is_traced_by_the_devices_of_one_process():
+    # a meta world of 512 processes of 2 devices, this process the first: the mesh spans all 1024, the
+    # trace holds the ops of devices 0 and 1 (one tp group), collectives with absent processes move nothing
+    from shoal.auto.census import census, count, traced_step
+    from shoal.mesh import Mesh
+    from shoal.models import gpt
+    from shoal.parallel import distribute_module
+    from shoal.world import meta_world
+
+    mcfg = GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    cfg = auto.Parallel(tp=2, dp=512, micro_batch=2, precision="fp32")
+    t0 = time.perf_counter()
+    with meta_world(1024, per_process=2) as w:
+        assert w.processes == 512 and w.local_devices == (0, 1)
+        graph = traced_step(mcfg, cfg)
+    assert time.perf_counter() - t0 < 60
+    assert {op.device for op in graph.ops if op.kind == "call"} == {0, 1}
+    comms = [op for op in graph.ops if op.kind == "comm"]
+    # one tp group stands for all 512: its collectives are those of a step on a mesh of the group alone
+    tp_ops = [op for op in comms if set(op.devices) == {0, 1}]
+    assert count(dataclasses.replace(graph, ops=tp_ops)) == list(census(mcfg, 2, 2, 64).two)
+    # the rest are all-reduces over each owned device's data-parallel group of 512: the loss (one
+    # scalar) and the gradients
+    dp_ops = [op for op in comms if op not in tp_ops]
+    assert {op.fn.name for op in dp_ops} == {"all_reduce"}
+    scalar = [op for op in dp_ops if graph.locals[op.reads[0]].shape == ()]
+    assert sorted(d for op in scalar for d in op.devices if d < 2) == [0, 1]
+    dp_ops = [op for op in dp_ops if op not in scalar]
+    with meta_world(2):  # each device's gradient shards, by the plan's layouts alone
+        mesh = Mesh([0, 1], axes=("tp",))
+        model = distribute_module(meta_gpt(**dataclasses.asdict(mcfg)), mesh, gpt.plans(mesh, "tp"))
+        shard = {d: sum(p.to_local(d).numel() * 4 for p in model.parameters()) for d in (0, 1)}
+    for d in (0, 1):
+        mine = [op for op in dp_ops if d in op.devices]
+        assert all(op.devices == tuple(range(d, 1024, 2)) for op in mine)
+        assert sum(c.nbytes for c in count(dataclasses.replace(graph, ops=mine))) == shard[d]
+    # a pipelined plan: stage 0's devices send to stage 1's, which no process here owns
+    with meta_world(8, per_process=2):
+        staged = traced_step(mcfg, auto.Parallel(tp=2, dp=2, pp=2, micro_batch=2, precision="fp32",
+                                                 schedule="1f1b"), micro_batches=4)
+    assert {op.device for op in staged.ops if op.kind == "call"} == {0, 1}
+    sends = sorted(op.devices for op in staged.ops if op.kind == "comm" and op.fn.name == "transfer")
+    assert sends == [(0, 4), (1, 5), (4, 0), (5, 1)]
+    with pytest.raises(ValueError, match="per_process"), meta_world(1024, per_process=3):
+        pass

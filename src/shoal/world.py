@@ -309,13 +309,21 @@ def is_initialized() -> bool:
 
 
 @contextlib.contextmanager
-def meta_world(devices: int):
-    """A one-process world of ``devices`` meta devices for the duration (``init(device_type="meta")``),
-    then the world before it: a plan for more devices than this machine has, or a model larger than
-    its memory, traced as shoal would run it (``auto.census``)."""
+def meta_world(devices: int, per_process: int | None = None):
+    """A world of ``devices`` meta devices for the duration (``init(device_type="meta")``), then the
+    world before it: a plan for more devices than this machine has, or a model larger than its memory,
+    traced as shoal would run it (``auto.census``). ``per_process`` (default all): the world is
+    ``devices // per_process`` processes, this one the first (rank 0) and the others absent. Meshes span
+    every device, tensors hold shards on this process's alone, and collectives with the absent
+    processes move nothing (their results are shapes): one process's devices stand for the others,
+    so a plan for 1024 devices is traced by the ops of ``per_process`` of them."""
     global _WORLD
+    per_process = devices if per_process is None else per_process
+    if per_process < 1 or devices % per_process:
+        raise ValueError(f"meta_world({devices}, per_process={per_process}): the devices must split into "
+                         f"processes of equally many; give a per_process that divides {devices}")
     before = _WORLD
-    _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type="meta")
+    _WORLD = World(processes=devices // per_process, devices_per_process=per_process, rank=0, device_type="meta")
     try:
         yield _WORLD
     finally:

@@ -21,6 +21,7 @@ the kernels the device type picks (CPU's fused attention) included.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -128,23 +129,26 @@ def _census(twin: gpt.GPTConfig, cfg: Parallel) -> Census:
     return Census(*(tuple(count(g)) for g in graphs), *(kernels(g) for g in graphs))
 
 
-def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel):
-    """The traced graph of a training step of a bundled GPT of config ``mcfg`` under ``cfg``'s tp plan
-    on the world's first ``cfg.tp`` devices (built on the meta device in a meta world)."""
+def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel, micro_batches: int = 1):
+    """The traced graph of a training step of ``micro_batches`` micro-batches per data-parallel rank
+    through a bundled GPT of config ``mcfg`` under ``cfg``'s plan (degrees given: tp, pp, dp) on the
+    world's first tp x pp x dp devices (built on the meta device in a meta world)."""
     from ..graph.api import compile as compile_step  # the compiler, as the step would run
     from ..parallel import distribute_module
     from ..train import train_step
 
-    mesh = Mesh(list(range(cfg.tp)), axes=cfg.axes())
+    shape = cfg.mesh_shape()
+    mesh = Mesh(torch.arange(math.prod(shape)).reshape(shape).tolist(), axes=cfg.axes())
     with torch.random.fork_rng():
         torch.manual_seed(0)
         with torch.device("meta" if world().device_type == "meta" else "cpu"):
             base = gpt.GPT(mcfg)
-    plan, options = cfg.to_plan(mesh, batch=cfg.micro_batch)
+    batch = cfg.micro_batch * (cfg.dp or 1) * micro_batches
+    plan, options = cfg.to_plan(mesh, batch=batch, model=base)
     model = distribute_module(base, mesh, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = compile_step(train_step, **options)
-    x = torch.zeros(cfg.micro_batch, mcfg.block_size, dtype=torch.long)
+    x = torch.zeros(batch, mcfg.block_size, dtype=torch.long)
     for _ in range(2):  # the first call makes the optimizer's state eagerly, the second is traced
         step(model, opt, x, x)
     return step.graph

@@ -56,7 +56,10 @@ def open_channels(channels: dict) -> None:
     """Make every channel group this process is in (``channels``: pair of ranks -> how many), pair by
     pair in sorted order and each pair's in channel order, the same order on every process. Made
     lazily instead, by the threads that use them, two processes could each wait to make a different
-    one first: making a group waits for the peer, and holds the interpreter lock while it waits."""
+    one first: making a group waits for the peer, and holds the interpreter lock while it waits. A meta
+    world's processes are absent (``world.meta_world``): nothing moves, no group is made."""
+    if world().device_type == "meta":
+        return
     me = dist.get_rank()
     for pair in sorted(channels):
         if me in pair:
