@@ -607,3 +607,24 @@ def test_a_meta_world_lays_out_more_than_this_machine_holds():
     assert all(s.device.type == "meta" and s.shape == (8, 2048) for s in y.to_local().values())
     with pytest.raises(ValueError, match="'cpu', 'cuda' or 'meta'"):
         shoal.init(devices=2, device_type="tpu")
+
+
+def test_decisions_made_in_a_meta_world_do_not_outlive_it():
+    """dispatch caches each op's decision bound to the mesh devices this process owns; a meta world
+    of absent processes (``meta_world(8, per_process=2)``) owns 2 of a 2 x 2 mesh's devices where the
+    4-device world after it owns all 4, so the same op on the same layouts decides again there."""
+    from shoal.world import meta_world
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 5, generator=g), torch.randn(5, 7, generator=g)
+
+    def matmul():
+        mesh = Mesh([[0, 1], [2, 3]], axes=("dp", "tp"))
+        return shoal.to_global(a, mesh, (S(0), B)) @ shoal.to_global(b, mesh, (B, S(1)))
+
+    with meta_world(8, per_process=2):
+        y = matmul()
+        assert sorted(y.to_local()) == [0, 1] and all(s.device.type == "meta" for s in y.to_local().values())
+    y = matmul()
+    assert sorted(y.to_local()) == [0, 1, 2, 3]
+    torch.testing.assert_close(y.full(), a @ b)

@@ -65,6 +65,23 @@ class World:
 
 
 _WORLD: World | None = None
+# called whenever the world changes: caches of what this process owns (dispatch's bound decisions)
+# hold for one world only
+_ON_CHANGE: list = []
+
+
+def on_change(fn):
+    """Register ``fn()`` to run whenever the world changes (``init``, ``meta_world``)."""
+    _ON_CHANGE.append(fn)
+    return fn
+
+
+def _set(w: World | None) -> World | None:
+    global _WORLD
+    _WORLD = w
+    for fn in _ON_CHANGE:
+        fn()
+    return w
 
 
 def init(devices: int | None = None, device_type: str | None = None, timeout: float | None = None,
@@ -83,7 +100,6 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
     "512MiB" or "80GB"); plans whose states (``distribute_module``, an optimizer's first step) or
     planned peak (``shoal.compile``) exceed it are refused before they run.
     """
-    global _WORLD
     budget = parse_bytes(memory_per_device)
     if device_type is None:
         device_type = os.environ.get("SHOAL_DEVICE_TYPE", "cpu")
@@ -91,8 +107,7 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
         raise ValueError(f"shoal.init: device_type must be 'cpu', 'cuda' or 'meta', got {device_type!r}")
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" in os.environ and processes > 1 and device_type != "meta":
-        _WORLD = _init_distributed(devices, device_type, processes, timeout).with_budget(budget)
-        return _WORLD
+        return _set(_init_distributed(devices, device_type, processes, timeout).with_budget(budget))
     if devices is None:
         devices = int(os.environ.get("SHOAL_DEVICES", "1"))
     if not isinstance(devices, int) or devices < 1:
@@ -105,9 +120,8 @@ def init(devices: int | None = None, device_type: str | None = None, timeout: fl
                 "pass share_gpus=True to put several devices on one GPU"
             )
         gpus = torch.cuda.device_count()
-    _WORLD = World(processes=1, devices_per_process=devices, rank=0, device_type=device_type, gpus=gpus,
-                   memory_per_device=budget)
-    return _WORLD
+    return _set(World(processes=1, devices_per_process=devices, rank=0, device_type=device_type, gpus=gpus,
+                      memory_per_device=budget))
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -317,14 +331,13 @@ def meta_world(devices: int, per_process: int | None = None):
     every device, tensors hold shards on this process's alone, and collectives with the absent
     processes move nothing (their results are shapes): one process's devices stand for the others,
     so a plan for 1024 devices is traced by the ops of ``per_process`` of them."""
-    global _WORLD
     per_process = devices if per_process is None else per_process
     if per_process < 1 or devices % per_process:
         raise ValueError(f"meta_world({devices}, per_process={per_process}): the devices must split into "
                          f"processes of equally many; give a per_process that divides {devices}")
     before = _WORLD
-    _WORLD = World(processes=devices // per_process, devices_per_process=per_process, rank=0, device_type="meta")
+    _set(World(processes=devices // per_process, devices_per_process=per_process, rank=0, device_type="meta"))
     try:
         yield _WORLD
     finally:
-        _WORLD = before
+        _set(before)

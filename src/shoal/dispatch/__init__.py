@@ -19,7 +19,7 @@ from ..ops.foreach import by_mesh, spans_meshes
 from ..sbp import Broadcast, sbp_str
 from ..spec import TensorSpec
 from ..tensor import GlobalTensor, _wrapper_device, install_dispatch, onto_mesh_of
-from ..world import world
+from ..world import on_change, world
 from .coverage import _DECISIONS, Coverage, coverage
 from .decide import Decision, Input, _refused, decide, signatures
 from .execute import run_decomposed, run_random, run_replicated, run_rule
@@ -27,7 +27,8 @@ from .key import _plain_key, _retemplate, _template
 
 __all__ = ["dispatch", "coverage", "Coverage", "decide", "Decision", "Input", "signatures"]
 
-_CACHE: dict = {}
+_CACHE: dict = {}  # decisions bound to what this process owns: for one world
+on_change(_CACHE.clear)
 _GT = GlobalTensor
 _COPY = torch.ops.aten.copy_.default
 
