@@ -300,12 +300,17 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     dp_time = 0.0
     if c.dp > 1:
         if c.zero >= 2:  # as shoal runs ZeRO-2/3: each gradient reduce-scattered on its own
+            calls = tensors
             reduce = tensors * cluster.reduce_scatter(params * g_bytes / tensors, c.dp, c.tp)
         else:  # all-reduced in buckets, as shoal buckets them
-            buckets = max(1, math.ceil(params * g_bytes / cluster.bucket_bytes))
-            reduce = buckets * cluster.all_reduce(params * g_bytes / buckets, c.dp, c.tp)
+            calls = max(1, math.ceil(params * g_bytes / cluster.bucket_bytes))
+            reduce = calls * cluster.all_reduce(params * g_bytes / calls, c.dp, c.tp)
         overlap = layers * (layer.backward + (layer.forward if recompute else 0.0))  # the last micro-batch's
-        dp_time = max(reduce - overlap, 0.0)
+        # in one process a collective's latency is the devices' threads handing over under one lock:
+        # host time that no device's computation hides; only its sums and copies overlap
+        link = cluster.links[0]
+        exposed = calls * link.alpha if link.in_process else 0.0
+        dp_time = max(reduce - exposed - overlap, 0.0) + exposed
         if c.zero in (1, 2):  # each updated parameter gathered on its own, after its update: not hidden
             dp_time += tensors * cluster.all_gather(params * w_bytes / tensors, c.dp, c.tp)
         if c.zero == 3:  # each unit's weights (a block's, the rest's) gathered for every forward (and
