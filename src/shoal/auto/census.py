@@ -54,8 +54,8 @@ class Census:
 
     one: tuple[Collective, ...]
     two: tuple[Collective, ...]
-    kernels_one: tuple[OpCost, ...] = ()
-    kernels_two: tuple[OpCost, ...] = ()
+    kernels_one: tuple[OpCost, ...]
+    kernels_two: tuple[OpCost, ...]
 
     def seconds(self, price, layers: int) -> float:
         """The step's collectives' time for ``layers`` layers, ``price(collective)`` seconds each."""
@@ -105,8 +105,7 @@ def kernels(graph) -> tuple[OpCost, ...]:
             out.append(OpCost(name, "F", "", False, 0.0, 0.0, None, view=True))
             continue
         args, kwargs, result = torch.utils._pytree.tree_map(meta, (op.args, op.kwargs, op.outs))
-        out.append(OpCost(name, "F", "", False, *op_cost(op.fn, args, kwargs, result,
-                                                         lambda t: t.numel() * t.element_size())))
+        out.append(OpCost(name, "F", "", False, *op_cost(op.fn, args, kwargs, result)))
     return tuple(out)
 
 

@@ -169,10 +169,11 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def op_cost(func, args, kwargs, out, nbytes) -> tuple:
+def op_cost(func, args, kwargs, out, nbytes=lambda t: t.numel() * t.element_size()) -> tuple:
     """(FLOPs, bytes read and written, GEMM dims (batch, m, n, k) or None, bytes written) of the ATen
     op ``func`` on ``args``/``kwargs`` giving ``out`` (tensors on any device, meta included),
-    ``nbytes(tensor)`` counting a tensor's bytes; an embedding reads only the rows it gathers."""
+    ``nbytes(tensor)`` counting a tensor's bytes (default: at its dtype); an embedding reads only the
+    rows it gathers."""
     name = func.overloadpacket.__name__
     flops = 0.0
     if func.overloadpacket in flop_registry:
