@@ -5,6 +5,7 @@ out by its plan on 4 virtual devices: losses at every step, final parameters and
 (BatchNorm running statistics included) must agree.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -196,6 +197,54 @@ def test_zero_splits_optimizer_state(opt_name):
         and not any(isinstance(s, shoal.Split) for s in v.sbp)
     }
     assert not whole, f"optimizer state not split over dp: {whole}"
+
+
+def dropout_model(name: str) -> torch.nn.Module:
+    """``name``'s test model with dropout 0.1, from the same seed."""
+    plain = MODELS[name][1]()
+    torch.manual_seed(0)
+    return type(plain)(dataclasses.replace(plain.cfg, dropout=0.1))
+
+
+@pytest.mark.parametrize("kind", ["tp", "dp,tp"])
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_sequence_parallelism_trains_like_one_device(name, kind):
+    """Sequence parallelism (``plans(..., sequence_parallel=True)``) with dropout on and a sequence of
+    7 tokens, which tp does not divide: 3 SGD steps equal one device's (losses, final parameters;
+    dropout draws one device's masks; SGD, not Adam, whose normalised update blows a near-zero
+    gradient's rounding up to lr). The blocks' outputs are split on the sequence over tp, and a
+    forward runs each of Megatron's all-reduces of a sub-block's or the embedding's output as a
+    reduce-scatter and an all-gather instead."""
+    module, _ = MODELS[name]
+    mesh = mesh_for(kind)
+    data = [(x[:, :7], y[:, :7]) for x, y in batches(name)[:3]]
+    ref = dropout_model(name)
+    ref_opt = OPTIMIZERS["sgd"](ref.parameters())
+    torch.manual_seed(1)
+    ref_losses = fit(ref, ref_opt, data)
+    counts, outs = {}, {}
+    for sp in (False, True):
+        model = shoal.distribute_module(dropout_model(name), mesh, module.plans(mesh, kind, sequence_parallel=sp))
+        model.blocks[0].register_forward_hook(lambda m, args, out, sp=sp: outs.__setitem__(sp, out.sbp))
+        with shoal.CommCounter() as cc:
+            model(*data[0])
+        counts[sp] = cc.counts
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    torch.manual_seed(1)
+    losses = fit(model, opt, data)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    check_state(model, {k: v.detach() for k, v in ref.state_dict().items()}, f"{name} {kind} sp")
+    tp_axis = mesh.axes.index("tp")
+    assert outs[True][tp_axis] == shoal.S(1) and outs[False][tp_axis] == shoal.B
+    moved = len(mesh.groups(tp_axis)) * (2 * len(model.blocks) + 1)  # per tp group: two per block, the embedding's
+    assert counts[True]["all_reduce"] == counts[False]["all_reduce"] - moved
+    for kind_ in ("reduce_scatter", "all_gather"):
+        assert counts[True][kind_] >= counts[False][kind_] + moved
+
+
+def test_sequence_parallelism_needs_a_tensor_parallel_axis():
+    with pytest.raises(ValueError, match="sequence parallelism splits on the tensor-parallel axis"):
+        gpt.plans(mesh_for("dp"), "dp", sequence_parallel=True)
 
 
 def test_tp_plans_split_what_they_say():

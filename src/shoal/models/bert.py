@@ -14,9 +14,7 @@ from torch import nn
 
 from ..mesh import Mesh
 from ..parallel import Plan
-from ..sbp import S
-from . import kinds
-from .layers import Block, init_weights, megatron_block, megatron_outputs
+from .layers import Block, init_weights, megatron_plan
 
 __all__ = ["BERTConfig", "BERT", "plans", "IGNORE"]
 
@@ -64,14 +62,10 @@ class BERT(nn.Module):
         return logits, loss
 
 
-def plans(mesh: Mesh, kind: str) -> Plan:
+def plans(mesh: Mesh, kind: str, sequence_parallel: bool = False) -> Plan:
     """How a BERT is laid out on ``mesh`` for plan ``kind`` (dp, tp, dp,tp or zero; see ``kinds``):
     batch split on the data-parallel axis; Megatron blocks, the token embedding split on the
-    vocabulary and the decoder column-parallel (logits split on the vocabulary) on the tensor one."""
-    ax = kinds.axes(mesh, kind)
-    params, outputs = {}, {}
-    if ax.tp is not None:
-        col, row = ax.layout(tp=S(0)), ax.layout(tp=S(1))
-        params = {**megatron_block("blocks.*", col, row), "tok_emb.weight": col, "decoder.*": col}
-        outputs = megatron_outputs("blocks.*", ax.layout(dp=S(0)), "tok_emb")
-    return Plan(params=params, inputs={"": ax.layout(dp=S(0))}, outputs=outputs, zero=kinds.ZERO.get(kind, 0))
+    vocabulary and the decoder column-parallel (logits split on the vocabulary) on the tensor one.
+    ``sequence_parallel``: the activations between the sub-blocks split on the sequence over tp
+    (``layers.megatron_plan``)."""
+    return megatron_plan(mesh, kind, ("tok_emb.weight", "decoder.*"), ("decoder",), sequence_parallel)

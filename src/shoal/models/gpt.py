@@ -15,9 +15,7 @@ from torch import nn
 
 from ..mesh import Mesh
 from ..parallel import Plan
-from ..sbp import S
-from . import kinds
-from .layers import Block, init_weights, megatron_block, megatron_outputs
+from .layers import Block, init_weights, megatron_plan
 
 __all__ = ["GPTConfig", "GPT", "plans"]
 
@@ -75,18 +73,13 @@ class GPT(nn.Module):
         return idx
 
 
-def plans(mesh: Mesh, kind: str) -> Plan:
+def plans(mesh: Mesh, kind: str, sequence_parallel: bool = False) -> Plan:
     """How a GPT is laid out on ``mesh`` for plan ``kind`` (dp, tp, dp,tp or zero; see ``kinds``).
 
     Inputs (token ids and targets) are split on the batch dim along the data-parallel axis. Tensor
     parallel is Megatron's: whole heads and a quarter of the MLP per device (4-way), the token
     embedding split on the vocabulary, and the head's weight too, so the logits come out split on
-    the vocabulary and the loss is a vocabulary-parallel cross entropy.
+    the vocabulary and the loss is a vocabulary-parallel cross entropy. ``sequence_parallel``: the
+    activations between the sub-blocks split on the sequence over tp (``layers.megatron_plan``).
     """
-    ax = kinds.axes(mesh, kind)
-    params, outputs = {}, {}
-    if ax.tp is not None:
-        col, row = ax.layout(tp=S(0)), ax.layout(tp=S(1))
-        params = {**megatron_block("blocks.*", col, row), "tok_emb.weight": col, "lm_head.weight": col}
-        outputs = megatron_outputs("blocks.*", ax.layout(dp=S(0)), "tok_emb")
-    return Plan(params=params, inputs={"": ax.layout(dp=S(0))}, outputs=outputs, zero=kinds.ZERO.get(kind, 0))
+    return megatron_plan(mesh, kind, ("tok_emb.weight", "lm_head.weight"), ("lm_head",), sequence_parallel)

@@ -10,6 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..mesh import Mesh
+from ..parallel import Plan
+from ..sbp import S
+from . import kinds
+
 __all__ = ["SelfAttention", "MLP", "Block"]
 
 
@@ -65,26 +70,42 @@ class Block(nn.Module):
         return self.ln2(x + self.mlp(x))
 
 
-def megatron_block(prefix: str, col, row) -> dict:
-    """The Megatron layout of ``Block`` parameters under ``prefix`` (e.g. "blocks.*"): q, k, v and the
-    MLP's up projection column-parallel (``col``: out features split, so each device holds whole heads),
-    the attention output and the MLP's down projection row-parallel (``row``: in features split, the
-    output a partial sum reduced once per sub-block; their bias stays Broadcast)."""
-    return {
-        f"{prefix}.attn.[qkv].*": col,
-        f"{prefix}.mlp.up.*": col,
-        f"{prefix}.attn.proj.weight": row,
-        f"{prefix}.mlp.down.weight": row,
-    }
+def megatron_plan(mesh: Mesh, kind: str, vocab: tuple[str, ...], heads: tuple[str, ...],
+                  sequence_parallel: bool = False) -> Plan:
+    """A transformer of ``Block``s (``blocks.*``, after a token embedding ``tok_emb``) laid out on
+    ``mesh`` for plan ``kind`` (see ``kinds``): the batch split on the data-parallel axis; on the
+    tensor-parallel one, Megatron-LM's layout.
 
+    Parameters: q, k, v and the MLP's up projection column-parallel (out features split, so each
+    device holds whole heads), the attention output and the MLP's down projection row-parallel (in
+    features split, the output a partial sum; their bias stays Broadcast), and the ``vocab``
+    parameters (the embedding's and the output layers') split on the vocabulary.
 
-def megatron_outputs(prefix: str, layout, *embeddings: str) -> dict:
-    """Megatron-LM's activation layout for ``Block``s under ``prefix``: each attention's and MLP's
-    output (a row-parallel layer's partial sum) all-reduced into ``layout`` (Broadcast on tp), and so
-    the vocabulary-parallel ``embeddings``' outputs. Left to itself, dispatch reduce-scatters each
-    partial sum (half an all-reduce) and then moves weights around the batch-split activations at
-    every matmul: at GPT-3's width on tp=8, 18x the collective time per layer (``auto.census``)."""
-    return {f"{prefix}.attn": layout, f"{prefix}.mlp": layout, **{e: layout for e in embeddings}}
+    Activations: each attention's and MLP's output (a row-parallel partial sum) and the embedding's
+    are all-reduced into Broadcast on tp. Left to itself, dispatch reduce-scatters each partial sum
+    (half an all-reduce) and then moves weights around the batch-split activations at every matmul:
+    at GPT-3's width on tp=8, 18x the collective time per layer (``auto.census``).
+
+    ``sequence_parallel`` (Korthikanti et al. 2022) reduce-scatters those outputs onto the sequence
+    dim instead, so the layer norms, residual adds and dropout between the sub-blocks run on 1/tp of
+    the tokens and keep 1/tp of their activations; each attention's, MLP's and ``heads``' (the
+    column-parallel layers after the blocks) input is all-gathered whole. The same bytes cross the
+    links as with the all-reduces."""
+    ax = kinds.axes(mesh, kind)
+    whole = ax.layout(dp=S(0))
+    if sequence_parallel and ax.tp is None:
+        raise ValueError(f"plans(mesh, {kind!r}, sequence_parallel=True): sequence parallelism splits on the "
+                         f"tensor-parallel axis; plan {kind!r} has none (use 'tp' or 'dp,tp')")
+    params, inputs, outputs = {}, {"": whole}, {}
+    if ax.tp is not None:
+        col, row = ax.layout(tp=S(0)), ax.layout(tp=S(1))
+        params = {"blocks.*.attn.[qkv].*": col, "blocks.*.mlp.up.*": col, "blocks.*.attn.proj.weight": row,
+                  "blocks.*.mlp.down.weight": row, **{name: col for name in vocab}}
+        subs = ("blocks.*.attn", "blocks.*.mlp")
+        outputs = {name: ax.layout(dp=S(0), tp=S(1)) if sequence_parallel else whole for name in (*subs, "tok_emb")}
+        if sequence_parallel:
+            inputs.update({name: whole for name in (*subs, *heads)})
+    return Plan(params=params, inputs=inputs, outputs=outputs, zero=kinds.ZERO.get(kind, 0))
 
 
 def init_weights(m: nn.Module) -> None:

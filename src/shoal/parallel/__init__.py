@@ -60,9 +60,12 @@ class Plan:
     def staged(self, stages: Mapping[str, int] | str) -> Plan:
         """A plan for the whole mesh with a stage axis in front, from this one written for one stage's
         sub-mesh: its parameter layouts and its submodules' output layouts (they name the other axes),
-        the module's batch Broadcast over the stage axis, and ``stages``; nothing else is carried."""
+        the module's batch Broadcast over the stage axis, its submodules' input layouts, and ``stages``;
+        nothing else is carried."""
         batch = self.inputs.get("", ())
-        return Plan(params=self.params, inputs={"": (Broadcast(), *(batch if isinstance(batch, tuple) else (batch,)))},
+        inputs = {k: v for k, v in self.inputs.items() if k}
+        return Plan(params=self.params,
+                    inputs={"": (Broadcast(), *(batch if isinstance(batch, tuple) else (batch,))), **inputs},
                     outputs={k: v for k, v in self.outputs.items() if k}, stages=stages)
 
 
@@ -118,13 +121,16 @@ def distribute_module(
             f"{type(module).__name__}; names look like {[n for n, _ in module.named_parameters()][:5]}"
         )
     modules = dict(module.named_modules())
+
+    def on(sub: str) -> Mesh:  # under stages: the submodule's stage's sub-mesh
+        return mesh if staged is None or not sub else staged.mesh_of(sub)
+
     for name, layout in plan.inputs.items():
         for sub in _subs(modules, name, "inputs"):
-            modules[sub].register_forward_pre_hook(_relayout_hook(mesh, layout, f"inputs of {sub!r}"))
+            modules[sub].register_forward_pre_hook(_relayout_hook(on(sub), layout, f"inputs of {sub!r}"))
     for name, layout in plan.outputs.items():
-        for sub in _subs(modules, name, "outputs"):  # under stages: onto the submodule's stage's sub-mesh
-            where = mesh if staged is None or not sub else staged.mesh_of(sub)
-            modules[sub].register_forward_hook(_output_hook(where, layout, f"outputs of {sub!r}"))
+        for sub in _subs(modules, name, "outputs"):
+            modules[sub].register_forward_hook(_output_hook(on(sub), layout, f"outputs of {sub!r}"))
     return module
 
 
