@@ -438,7 +438,8 @@ _XBYTES = 6 * 5 * 4
         # same mesh shape, other devices: shards move position by position
         ([0, 1], S(0), [2, 3], S(0), {"send_recv": 2}, {"send_recv": _XBYTES}),
         ([0, 1], S(1), [2, 3], S(1), {"send_recv": 2}, {"send_recv": _XBYTES}),
-        ([0, 1], B, [2, 3], B, {"send_recv": 2}, {"send_recv": 2 * _XBYTES}),
+        # replicated: scattered to cross (each device sends half), all-gathered on arrival
+        ([0, 1], B, [2, 3], B, {"send_recv": 2, "all_gather": 1}, {"send_recv": _XBYTES, "all_gather": _XBYTES}),
         ([0, 1], P, [2, 3], P, {"send_recv": 2}, {"send_recv": 2 * _XBYTES}),
         ([0, 1], PMAX, [2, 3], PMAX, {"send_recv": 2}, {"send_recv": 2 * _XBYTES}),
         (
@@ -449,7 +450,8 @@ _XBYTES = 6 * 5 * 4
             {"reduce_scatter": 1, "send_recv": 2},
             {"reduce_scatter": _XBYTES, "send_recv": _XBYTES},
         ),
-        ([0, 1], PMIN, [2, 3], B, {"all_reduce": 1, "send_recv": 2}, None),
+        ([0, 1], PMIN, [2, 3], B, {"reduce_scatter": 1, "send_recv": 2, "all_gather": 1}, None),
+        ([0, 1], B, [1, 2], B, {"send_recv": 2}, {"send_recv": 2 * _XBYTES}),  # meshes that overlap: sent whole
         ([0, 1], S(0), [2, 3], P, {"all_gather": 1, "send_recv": 2}, None),
         ([0, 1], S(0), [1, 0], S(0), {"send_recv": 2}, {"send_recv": _XBYTES}),
         ([[0, 1], [2, 3]], [S(0), S(1)], [[3, 2], [1, 0]], [S(0), S(1)], {"send_recv": 4}, {"send_recv": _XBYTES}),

@@ -285,9 +285,11 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     bwd = layers * (layer.backward + (layer.forward if recompute else 0.0))
     stage_compute = fwd + bwd + max(embed.forward + embed.backward, head.forward + head.backward)
     p2p = 0.0
-    if c.pp > 1:  # each micro-batch crosses v stage boundaries per device each way, the tp shards apart
+    if c.pp > 1:  # each micro-batch crosses v stage boundaries per device each way, 1/tp per device (split
+        # on the sequence with sp; else scattered to cross, all-gathered on arrival: boxing._scattered)
         across = c.tp * c.dp >= (cluster.links[0].size or cluster.devices)
-        p2p = 2 * c.virtual_stages * cluster.send_recv(act / c.tp, across)
+        gather = cluster.all_gather(act, c.tp) if c.tp > 1 and not sp else 0.0
+        p2p = 2 * c.virtual_stages * (cluster.send_recv(act / c.tp, across) + gather)
     stage = stage_compute + tp_comm + p2p  # one micro-batch through the slowest stage
     w_share = layers * layer.weight_grad / stage if stage else 0.0
     frac = bubble_fraction(c.schedule, c.pp, m, c.virtual_stages, w_share)

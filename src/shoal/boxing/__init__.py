@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm, seam
-from ..sbp import Broadcast, NdSBP, Partial
+from ..sbp import Broadcast, NdSBP, Partial, Split
 from ..spec import TensorSpec, _itemsize, chunk_bounds
 from .planner import Step, plan, plan_cost
 
@@ -107,10 +107,11 @@ def _cross_mesh(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
     if fixed and len(fixed) < dst.mesh.ndim:
         return _extend(shards, src, dst, fixed)
     if src.mesh.shape == dst.mesh.shape:
-        mid = box(shards, src, src.with_sbp(dst.sbp))
-        return tuple(
-            _send(src.mesh.devices[p], d, mid[p], dst.local_shape(p), dst.dtype) for p, d in enumerate(dst.mesh.devices)
-        )
+        wire = dst if set(src.mesh.devices) & set(dst.mesh.devices) else _scattered(dst)
+        mid = box(shards, src, src.with_sbp(wire.sbp))
+        sent = tuple(_send(src.mesh.devices[p], d, mid[p], wire.local_shape(p), dst.dtype)
+                     for p, d in enumerate(dst.mesh.devices))
+        return box(sent, wire, dst)
     if any(isinstance(s, Partial) for s in dst.sbp):
         # build B on the destination first, then keep one copy there
         rep = _cross_mesh(shards, src, dst.with_sbp((Broadcast(),) * dst.mesh.ndim))
@@ -123,6 +124,24 @@ def _cross_mesh(shards: Shards, src: TensorSpec, dst: TensorSpec) -> Shards:
         piece = None if full[sp] is None else full[sp][region]
         out.append(_send(src.mesh.devices[sp], d, piece, dst.local_shape(p), dst.dtype))
     return tuple(out)
+
+
+def _scattered(dst: TensorSpec) -> TensorSpec:
+    """How a tensor laid out as ``dst`` crosses to ``dst.mesh`` from a disjoint mesh of the same shape
+    (the next pipeline stage's): split over each axis where ``dst`` replicates it, on the largest dim no other
+    axis splits, so each device sends 1/n of the replicated bytes and the n devices that share them
+    all-gather them on arrival (Megatron-LM's scatter-gather across stages: the slow link carries the
+    bytes once, the fast one inside the stage the rest). Unchanged where no dim is long enough."""
+    sbp = list(dst.sbp)
+    for a, s in enumerate(sbp):
+        n = dst.mesh.shape[a]
+        if not isinstance(s, Broadcast) or n == 1:
+            continue
+        taken = {t.dim for t in sbp if isinstance(t, Split)}
+        free = [d for d in range(len(dst.shape)) if d not in taken and dst.shape[d] >= n]
+        if free:
+            sbp[a] = Split(max(free, key=lambda d: dst.shape[d]))
+    return dst.with_sbp(tuple(sbp))
 
 
 def _with_fixed_broadcast(sbp: NdSBP, fixed: dict[int, int], ndim: int) -> NdSBP:
