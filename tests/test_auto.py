@@ -110,10 +110,10 @@ def test_search_on_gpt3_175b_fits_and_beats_every_megatron_style_hand_plan():
     assert est.runner_up is not None and est.runner_up.step_seconds >= est.step_seconds
     # the finalists' tp collectives are those of shoal's own step, traced at GPT-3's width
     assert cfg.tp > 1 and est.traced and "shoal's traced step" in est.explain()
-    assert not cfg.sequence_parallel  # proposed plans run in shoal as is: its GPT plans lay out no sp
-    free_sp = dataclasses.replace(cfg, sequence_parallel=None)
-    _, what_if = auto.search(model, cluster, batch=1536, seq=2048, fixed=free_sp, runnable=False, layouts=False)
-    assert what_if.step_seconds <= est.step_seconds  # the cost model alone may price sp as well
+    # sequence parallelism was weighed: the winner's plan with it flipped is no faster
+    flipped = dataclasses.replace(cfg, sequence_parallel=not cfg.sequence_parallel)
+    _, other = auto.search(model, cluster, batch=1536, seq=2048, fixed=flipped, layouts=False)
+    assert other.step_seconds >= est.step_seconds
     # hand plans: tp in 1, 2, 4, 8; pp dividing the layers; dp the rest; 1F1B, no ZeRO or sequence parallelism
     hand_fixed = auto.Parallel(schedule="1f1b", zero=0, sequence_parallel=False)
     hand, hand_est = auto.search(model, cluster, batch=1536, seq=2048, fixed=hand_fixed, layouts=False)
@@ -157,6 +157,7 @@ def test_parallel_parses_formats_and_refuses():
 
 
 @pytest.mark.parametrize("text,shape,axes", [("tp=2,dp=2,recompute=full,precision=fp32", (2, 2), ("dp", "tp")),
+                                             ("tp=2,dp=2,sp=true,precision=fp32", (2, 2), ("dp", "tp")),
                                              ("dp=4,zero=1,precision=fp32", (4,), ("dp",)),
                                              ("pp=2,dp=2,precision=fp32", (2, 2), ("pp", "dp"))])
 def test_to_plan_lays_out_a_gpt_that_computes_like_one_device(text, shape, axes):
@@ -194,7 +195,8 @@ def test_shoal_plan_json():
 
 
 @pytest.mark.parametrize("text,shape,axes", [
-    ("pp=2,tp=2,precision=fp32", (2, 2), ("pp", "tp")), ("pp=4,precision=fp32", (4,), ("pp",)),
+    ("pp=2,tp=2,precision=fp32", (2, 2), ("pp", "tp")), ("pp=2,tp=2,sp=true,precision=fp32", (2, 2), ("pp", "tp")),
+    ("pp=4,precision=fp32", (4,), ("pp",)),
     ("pp=2,dp=2,schedule=interleaved,v=2,precision=fp32", (2, 2), ("pp", "dp"))])
 def test_to_plan_pipelines_without_dp_and_with_virtual_stages_train_like_one_device(text, shape, axes):
     cfg = auto.Parallel.parse(text)
@@ -338,26 +340,30 @@ def test_the_traced_kernels_of_a_layer_do_its_matmuls_on_the_shards(tp):
     assert all(o.nbytes > 0 for o in counted.kernels_two if not o.view)
 
 
+@pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("width,heads,vocab,seq,tp,precision,itemsize",
                          [(32, 4, 96, 16, 2, "fp32", 4), (12288, 96, 51200, 2048, 8, "bf16", 2)])
-def test_gpt_tp_plan_runs_megatrons_collectives(width, heads, vocab, seq, tp, precision, itemsize):
+def test_gpt_tp_plan_runs_megatrons_collectives(width, heads, vocab, seq, tp, precision, itemsize, sp):
     """The GPT's tp plan as shoal runs it (its traced step, ``census``), at a toy width and at
     GPT-3's: each layer adds Megatron-LM's four all-reduces of one layer's activations (the
     attention's and the MLP's partial sums in forward, their inputs' gradients in backward) and
-    its few replicated parameters' gradients to the bucket, nothing else. (Dispatch left to itself
-    reduce-scatters instead and moves weights at every matmul: at GPT-3's width about 18x the time.)"""
+    its few replicated parameters' gradients to the bucket, nothing else; with sequence
+    parallelism a reduce-scatter and an all-gather in place of each all-reduce. (Dispatch left to
+    itself reduce-scatters instead and moves weights at every matmul: at GPT-3's width about 18x the
+    time.)"""
     from collections import Counter
 
     from shoal.auto.census import Collective, census
 
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=2, n_head=heads, n_embd=width)
-    counted = census(cfg, tp, 1, seq, "none", precision)
+    counted = census(cfg, tp, 1, seq, "none", precision, sp)
     act = seq * width * itemsize
     added = Counter(counted.two) - Counter(counted.one)
-    assert added[Collective("all_reduce", act, tp)] == 4
-    rest = sum(c.nbytes for c in counted.two) - sum(c.nbytes for c in counted.one) - 4 * act
+    moved = ("reduce_scatter", "all_gather") if sp else ("all_reduce",)
+    assert all(added[Collective(kind, act, tp)] == 4 for kind in moved)
+    rest = sum(c.nbytes for c in counted.two) - sum(c.nbytes for c in counted.one) - 4 * len(moved) * act
     assert 0 <= rest <= 6 * width * 4  # layer norms' and row-parallel biases' gradients (fp32), at most
-    assert {c.kind for c in added} == {"all_reduce"}
+    assert {c.kind for c in added} == {*moved, "all_reduce"}
 
 
 def test_census_traces_more_devices_and_larger_models_than_this_machine_holds():
@@ -441,8 +447,11 @@ def test_a_plan_for_1024_devices_is_traced_by_the_devices_of_one_process():
         staged = traced_step(mcfg, auto.Parallel(tp=2, dp=2, pp=2, micro_batch=2, precision="fp32",
                                                  schedule="1f1b"), micro_batches=4)
     assert {op.device for op in staged.ops if op.kind == "call"} == {0, 1}
-    sends = sorted(op.devices for op in staged.ops if op.kind == "comm" and op.fn.name == "transfer")
-    assert sends == [(0, 4), (1, 5), (4, 0), (5, 1)]
+    sends = [op for op in staged.ops if op.kind == "comm" and op.fn.name == "transfer"]
+    assert sorted(op.devices for op in sends) == [(0, 4), (1, 5), (4, 0), (5, 1)]
+    # each tp device sends half of a micro-batch's activations (or their gradient): Megatron-LM's scatter-gather
+    act = 2 * 64 * 128 * 4
+    assert {c.nbytes for c in count(dataclasses.replace(staged, ops=sends))} == {act // 2}
     with pytest.raises(ValueError, match="per_process"), meta_world(1024, per_process=3):
         pass
 

@@ -2,7 +2,7 @@
 
 A plan's ``tp`` layouts do not pin every op's layout: dispatch picks each op's signature and the
 boxings around it (``dispatch.decide``) by the cost of its own inputs. The GPT's plans pin each
-sub-block's output (``layers.megatron_outputs``), so its step runs Megatron-LM's all-reduces; without
+sub-block's output (``layers.megatron_plan``), so its step runs Megatron-LM's all-reduces; without
 them dispatch reduce-scatters each partial sum and then runs each layer batch-split with its split
 weights moved to it, which at GPT-3's width costs about 18x the collective time per layer.
 ``census(mcfg, tp, micro_batch, seq)`` compiles a training step of one- and two-layer twins of the
@@ -75,7 +75,7 @@ def count(graph) -> list[Collective]:
     for op in graph.ops:
         if op.kind != "comm":
             continue
-        sizes = [graph.locals[i].size_bytes for i in op.reads]
+        sizes = [graph.locals[i].size_bytes for i in op.reads or op.out_ids]  # or what lands: from an absent process
         part = max(sizes, default=0)
         whole = part if op.fn.name in ("all_reduce", "reduce_scatter", "transfer") else part * len(op.devices)
         out.append(Collective(op.fn.name, int(whole), len(op.devices)))
@@ -110,14 +110,15 @@ def kernels(graph) -> tuple[OpCost, ...]:
 
 
 def census(mcfg: gpt.GPTConfig, tp: int, micro_batch: int, seq: int, recompute: str = "none",
-           precision: str = "fp32") -> Census:
+           precision: str = "fp32", sequence_parallel: bool = False) -> Census:
     """The tensor-parallel collectives and one device's kernels of a micro-batch of ``micro_batch``
     sequences of ``seq`` tokens through a bundled GPT of config ``mcfg`` laid out on ``tp`` devices
     (``Parallel.to_plan``; tp 1: one device, no collectives), as shoal compiles its training step. With
     dp or pp beside tp, each tp group runs this; the data-parallel gradient reduction and the stages'
     send/recv are not in it."""
     twin = dataclasses.replace(mcfg, n_layer=2, block_size=seq, dropout=0.0)
-    cfg = Parallel(tp=tp, pp=1, dp=1, micro_batch=micro_batch, recompute=recompute, precision=precision)
+    cfg = Parallel(tp=tp, pp=1, dp=1, micro_batch=micro_batch, recompute=recompute, precision=precision,
+                   sequence_parallel=sequence_parallel and tp > 1)
     return _census(twin, cfg)
 
 

@@ -20,7 +20,7 @@ from ..parallel import Plan
 from ..parallel.balance import balance
 from ..sbp import Broadcast
 
-__all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS"]
+__all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "check"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "full")
@@ -120,8 +120,8 @@ class Parallel:
         default two per stage; the schedule). Each pipeline stage's sub-mesh gets the GPT's plan for
         the axes left (dp, tp, both, or none: replicated); ``pp`` stages are cut by parameter count
         (``stages="auto"``), ``pp x virtual_stages`` ones (interleaved) by ``shoal.parallel.balance``
-        of ``model``. Sequence parallelism is not laid out: the GPT's plans keep the activations
-        between blocks whole on tp (``search(runnable=True)`` never proposes it). ``layouts``: each
+        of ``model``. ``sequence_parallel``: the activations between sub-blocks split on the sequence
+        over tp (``gpt.plans(..., sequence_parallel=True)``). ``layouts``: each
         parameter's layout on the tp axis (the integer program's, ``Estimate.layouts[0].params``), in
         place of Megatron-LM's pattern; Broadcast on the other axes."""
         cfg = self.resolved(math.prod(mesh.shape))
@@ -129,15 +129,16 @@ class Parallel:
         if tuple(mesh.shape) != want or tuple(mesh.axes) != axes:
             raise ValueError(f"Parallel {cfg}: needs a {'x'.join(map(str, want))} mesh with axes {axes}, got "
                              f"{'x'.join(map(str, mesh.shape))} with axes {tuple(mesh.axes)}")
-        if cfg.sequence_parallel:
-            raise ValueError(f"Parallel {cfg}: shoal's GPT plans do not lay out sequence parallelism (the "
-                             f"activations between blocks stay whole on tp); use sp=false")
+        if cfg.sequence_parallel and cfg.tp == 1:
+            raise ValueError(f"Parallel {cfg}: sequence parallelism splits the activations over tp; this plan "
+                             f"has tp=1 (give tp > 1, or sp=false)")
         if layouts is not None and cfg.tp == 1:
             raise ValueError(f"Parallel {cfg}: per-op layouts are for the tp axis; this plan has none")
         if cfg.pp == 1:
-            plan = _tp_layouts(gpt.plans(mesh, ",".join(axes)), axes, layouts)
+            plan = _tp_layouts(gpt.plans(mesh, ",".join(axes), cfg.sequence_parallel), axes, layouts)
         else:
-            inner = _tp_layouts(gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:])), axes[1:], layouts) \
+            inner = _tp_layouts(gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:]), cfg.sequence_parallel), axes[1:],
+                                layouts) \
                 if len(axes) > 1 else Plan()
             stages = "auto"
             if cfg.virtual_stages > 1:
@@ -151,6 +152,25 @@ class Parallel:
                                    zero=cfg.zero if cfg.dp > 1 else 0)
         micro_batches = batch // (cfg.dp * cfg.micro_batch) if batch else 2 * cfg.pp if cfg.pp > 1 else 1
         return plan, {"micro_batches": max(micro_batches, 1), "schedule": cfg.schedule}
+
+
+def check(c: Parallel, mcfg, batch: int) -> None:
+    """Raise ValueError naming each way the resolved configuration ``c`` does not fit the model or batch."""
+    problems = []
+    if mcfg.n_head % c.tp:
+        problems.append(f"tp={c.tp} does not divide the {mcfg.n_head} heads")
+    if mcfg.n_layer % (c.pp * c.virtual_stages):
+        problems.append(f"pp x v = {c.pp} x {c.virtual_stages} does not divide the {mcfg.n_layer} layers")
+    if batch % (c.dp * c.micro_batch):
+        problems.append(f"batch {batch} is not a multiple of dp x micro_batch = {c.dp} x {c.micro_batch}")
+    elif c.schedule == "interleaved" and (batch // (c.dp * c.micro_batch)) % c.pp:
+        problems.append("interleaved needs the micro-batches per step to be a multiple of pp")
+    if c.sequence_parallel and c.tp == 1:
+        problems.append("sequence parallelism splits over tp; it needs tp > 1")
+    if c.virtual_stages > 1 and c.schedule != "interleaved":
+        problems.append(f"virtual_stages={c.virtual_stages} needs schedule=interleaved")
+    if problems:
+        raise ValueError(f"auto: plan {c} does not fit the model: " + "; ".join(problems))
 
 
 def _tp_layouts(plan: Plan, axes: tuple, layouts: Mapping[str, tuple] | None) -> Plan:

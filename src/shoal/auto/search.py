@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from torch import nn
 
 from .cluster import Cluster
-from .config import RECOMPUTE, SCHEDULES, Parallel
+from .config import RECOMPUTE, SCHEDULES, Parallel, check
 from .layouts import gpt_layouts
 from .profile import gpt_config, profile
-from .simulate import DTYPES, Estimate, check, estimate
+from .simulate import DTYPES, Estimate, estimate
 
 __all__ = ["search", "candidates", "MICRO_BATCHES"]
 
@@ -36,11 +36,9 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel | None = None,
-               runnable: bool = True) -> Iterator[Parallel]:
-    """Every complete configuration agreeing with ``fixed`` that the model and batch allow; with
-    ``runnable``, only those ``Parallel.to_plan`` lays out (no sequence parallelism unless ``fixed``
-    asks for it: the GPT's plans cannot express it yet)."""
+def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel | None = None) -> Iterator[Parallel]:
+    """Every complete configuration agreeing with ``fixed`` that the model and batch allow (each one
+    ``Parallel.to_plan`` lays out)."""
     mcfg = gpt_config(model)
     f = (fixed or Parallel()).given()
     node = cluster.links[0].size or cluster.devices
@@ -53,7 +51,7 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
             for mb, sched, zero, rec, sp, prec in itertools.product(
                     pick("micro_batch", MICRO_BATCHES), pick("schedule", SCHEDULES if pp > 1 else ("1f1b",)),
                     pick("zero", (0, 1, 2, 3) if dp > 1 else (0,)), pick("recompute", RECOMPUTE),
-                    pick("sequence_parallel", (False, True) if tp > 1 and not runnable else (False,)),
+                    pick("sequence_parallel", (False, True) if tp > 1 else (False,)),
                     pick("precision", ("bf16",))):
                 for v in pick("virtual_stages", VIRTUAL if sched == "interleaved" else (1,)):
                     cfg = Parallel(tp, pp, dp, mb, sched, zero, rec, sp, v, prec)
@@ -65,13 +63,10 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
 
 
 def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = None,
-           fixed: Parallel | None = None, runnable: bool = True, layouts: bool = True,
-           traced: bool = True) -> tuple[Parallel, Estimate]:
+           fixed: Parallel | None = None, layouts: bool = True, traced: bool = True) -> tuple[Parallel, Estimate]:
     """The fastest configuration that fits (``Estimate.runner_up``: the second); a clear error if none
-    fits, naming the closest. ``runnable``: only plans shoal runs as is (``candidates``); False also
-    prices sequence parallelism, which the cost model knows but the GPT's plans do not lay out.
-    ``layouts``: a winner with tp > 1 gets per-op layouts for its tp group (``Estimate.layouts``).
-    ``traced``: the ``TRACED`` fastest are priced again on shoal's traced step (``census``)."""
+    fits, naming the closest. ``layouts``: a winner with tp > 1 gets per-op layouts for its tp group
+    (``Estimate.layouts``). ``traced``: the ``TRACED`` fastest are priced again on shoal's traced step (``census``)."""
     mcfg = gpt_config(model)
     seq = seq or mcfg.block_size
     def price(cfg: Parallel, on: Cluster) -> Estimate:
@@ -80,7 +75,7 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
 
     best: list[Estimate] = []
     closest = None
-    for cfg in candidates(model, cluster, batch, fixed, runnable):
+    for cfg in candidates(model, cluster, batch, fixed):
         est = price(cfg, cluster)
         if not est.fits:
             if closest is None or est.memory_per_device < closest.memory_per_device:

@@ -18,7 +18,7 @@ from torch import nn
 from ..parallel.memory import byte_size
 from .census import census
 from .cluster import Cluster
-from .config import Parallel
+from .config import Parallel, check
 from .profile import OpCost, Profile, gpt_config, profile
 
 __all__ = ["Estimate", "simulate", "estimate", "check", "megatron_flops", "bubble_fraction", "in_flight", "DTYPES"]
@@ -224,7 +224,7 @@ def _traced(layer: _Layer, embed: _Layer, head: _Layer, mcfg, cluster: Cluster, 
     a tp group of meta devices): a layer's, and the embedding's and head's together. The traced ops
     carry no forward / backward mark, so the profile's split stands; the totals are the trace's,
     dispatch's copies and slices and the shards' real shapes included."""
-    counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision)
+    counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision, c.sequence_parallel)
     t_layer, t_ends = counted.compute(lambda ops: _program_seconds(ops, cluster, peak))
     again = layer.forward if c.recompute == "full" else 0.0  # the traced step recomputes; the phases do not
     s = t_layer / (layer.forward + layer.backward + again)
@@ -248,23 +248,6 @@ def simulate(model: nn.Module, cluster: Cluster, cfg: Parallel, *, batch: int, s
     return estimate(prof, mcfg, cluster, c, batch, seq, m)
 
 
-def check(c: Parallel, mcfg, batch: int) -> None:
-    """Raise ValueError naming each way the resolved configuration ``c`` does not fit the model or batch."""
-    problems = []
-    if mcfg.n_head % c.tp:
-        problems.append(f"tp={c.tp} does not divide the {mcfg.n_head} heads")
-    if mcfg.n_layer % (c.pp * c.virtual_stages):
-        problems.append(f"pp x v = {c.pp} x {c.virtual_stages} does not divide the {mcfg.n_layer} layers")
-    if batch % (c.dp * c.micro_batch):
-        problems.append(f"batch {batch} is not a multiple of dp x micro_batch = {c.dp} x {c.micro_batch}")
-    elif c.schedule == "interleaved" and (batch // (c.dp * c.micro_batch)) % c.pp:
-        problems.append("interleaved needs the micro-batches per step to be a multiple of pp")
-    if c.virtual_stages > 1 and c.schedule != "interleaved":
-        problems.append(f"virtual_stages={c.virtual_stages} needs schedule=interleaved")
-    if problems:
-        raise ValueError(f"auto: plan {c} does not fit the model: " + "; ".join(problems))
-
-
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -275,7 +258,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     layer = _phase_seconds(prof, "block", cluster, peak, c.tp, sp)
     embed = _phase_seconds(prof, "embed", cluster, peak, c.tp, sp)
     head = _phase_seconds(prof, "head", cluster, peak, c.tp, sp)
-    if cluster.traced_kernels and not sp:  # the kernels of the step shoal compiles for the plan
+    if cluster.traced_kernels:  # the kernels of the step shoal compiles for the plan
         layer, embed, head = _traced(layer, embed, head, mcfg, cluster, c, seq, peak)
     act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]  # one layer's output, a micro-batch
     recompute = c.recompute == "full"
@@ -339,15 +322,15 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
 def _tp_seconds(prof: Profile, mcfg, cluster: Cluster, c: Parallel, seq: int, act: float,
                 layers: int) -> tuple[float, bool]:
     """Seconds of a micro-batch's tensor-parallel collectives through a stage of ``layers`` layers, and
-    whether they were traced: the ones shoal's step runs (``census``) where the cluster says so (and
-    sequence parallelism, which shoal's plans do not lay out, is off), else Megatron-LM's: an
+    whether they were traced: the ones shoal's step runs (``census``) where the cluster says so, else
+    Megatron-LM's: an
     all-reduce of a layer's output per row-parallel layer in forward (again in recomputation), one
     per column-parallel region's input in backward (with sequence parallelism a reduce-scatter and
     an all-gather: the same time)."""
     if c.tp == 1:
         return 0.0, False
-    if cluster.census and not c.sequence_parallel:
-        counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision)
+    if cluster.census:
+        counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision, c.sequence_parallel)
         return counted.seconds(lambda k: cluster.collective(k.kind, k.nbytes, k.n), layers), True
     recompute = c.recompute == "full"
     return layers * cluster.all_reduce(act, c.tp) * (prof.allreduces_forward * (2 if recompute else 1)
