@@ -125,6 +125,33 @@ def test_pipelined_training_equals_data_parallel(plan, mesh, schedule):
     assert got == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("plan", ["tp=2,dp=2,sp=true", "pp=2,tp=2,sp=true,schedule=interleaved,v=2,recompute=full",
+                                  "pp=2,dp=2,mb=2,zero=1"])
+def test_train_takes_the_keys_of_shoal_plan(plan):
+    """``shoal train gpt --plan tp=2,dp=2,sp=true`` (``auto.Parallel``'s keys, as ``shoal plan`` takes
+    them): the mesh, micro-batches and schedule follow from the plan, and the losses are those of plain
+    torch on one device."""
+    common = dict(model="gpt", devices=4, steps=3, batch=8, save=False, verbose=False, progress=False, sample=0,
+                  model_args={"n_layer": 4, "n_embd": 32, "block_size": 16})
+    want = train(TrainConfig(plan="none", **common)).losses
+    got = train(TrainConfig(plan=plan, **common)).losses
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(plan="tp=2,dp=2", model="bert"), "lay out a GPT"),
+    (dict(plan="tp=2,dp=2", mesh=(4,)), "--mesh 4 disagrees"),
+    (dict(plan="tp=3"), "make the product 4"),
+    (dict(plan="dp=4,sp=true"), "needs tp > 1"),
+    (dict(plan="pp=2,dp=2", batch=6), "does not split into 2 data-parallel ranks x 4 micro-batches"),
+    (dict(plan="tp=2,dp=2,mb=3"), "not a multiple of dp x micro_batch"),
+])
+def test_plans_by_their_keys_say_what_is_wrong(config, message):
+    cfg = TrainConfig(**{**dict(devices=4, steps=1, save=False, verbose=False, progress=False), **config})
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+
+
 def test_pipelined_plans_say_what_they_need():
     with pytest.raises(ValueError, match="--mesh"):
         train(TrainConfig(plan="pp,dp", micro_batches=4, verbose=False, save=False))

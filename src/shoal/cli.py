@@ -76,12 +76,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--plan",
         default=d.plan,
-        choices=training.PLANS,
         metavar="PLAN",
         help="dp: data parallel; tp: Megatron tensor parallel; dp,tp: both on a 2-D mesh; zero, zero2, zero3: dp "
         "with ZeRO-1 (optimizer state split over the devices), -2 (and gradients), -3 (and parameters); pp,dp "
         "and pp,dp,tp: pipeline stages first (--mesh 2x2, 2x2x2; with --micro-batches); "
-        "none: plain torch on one device (default %(default)s)",
+        "none: plain torch on one device (default %(default)s); or, for gpt, the keys shoal plan takes: "
+        "tp=2,dp=2,sp=true or pp=2,tp=2,mb=2,schedule=interleaved,v=2,zero=1,recompute=full,precision=bf16 "
+        "(the mesh follows; what is left out: dp the rest, --micro-batches, --schedule, --precision)",
     )
     t.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
     t.add_argument("--batch", type=int, default=d.batch, help="global batch size (default %(default)s)")

@@ -24,6 +24,8 @@ from torch import nn
 from tqdm import tqdm
 
 from . import checkpoint
+from .auto.config import Parallel
+from .auto.config import check as fits
 from .data import CharData, Stripes
 from .dispatch import coverage
 from .graph.api import compile as compile_step
@@ -56,7 +58,7 @@ DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.05}
 @dataclass
 class TrainConfig:
     model: str = "gpt"  # gpt | bert | resnet
-    plan: str = "dp"  # dp | tp | dp,tp | zero | none
+    plan: str = "dp"  # dp | tp | dp,tp | zero | none, or auto.Parallel's "tp=2,dp=2,sp=true,..." (gpt)
     devices: int = 4
     mesh: tuple[int, ...] | None = None  # default (devices,), and (2, devices // 2) for dp,tp
     steps: int = 100
@@ -95,7 +97,34 @@ class Result:
     run_dir: Path | None
 
 
+def parallel(cfg: TrainConfig) -> Parallel | None:
+    """``cfg.plan`` given as ``auto.Parallel``'s keys (``"tp=2,dp=2,sp=true"``, as ``shoal plan --plan``
+    takes them), every field set: left out, dp takes the rest of ``cfg.devices``, the schedule and
+    precision are ``cfg``'s (fp32 unless ``cfg.precision``), and a micro-batch holds ``batch / (dp x
+    cfg.micro_batches)`` sequences (two micro-batches per stage when pipelined and ``cfg`` gives
+    none). None for a plan name."""
+    if "=" not in cfg.plan:
+        return None
+    given = Parallel.parse(cfg.plan)
+    fill = {"schedule": cfg.schedule, "precision": cfg.precision or "fp32"}
+    p = dataclasses.replace(given, **{k: v for k, v in fill.items() if getattr(given, k) is None})
+    p = p.resolved(cfg.devices)
+    if given.micro_batch is None:
+        m = cfg.micro_batches if cfg.micro_batches > 1 or p.pp == 1 else 2 * p.pp
+        if cfg.batch % (p.dp * m):
+            raise ValueError(f"--plan {cfg.plan}: batch {cfg.batch} does not split into {p.dp} data-parallel "
+                             f"ranks x {m} micro-batches; give a batch that does, or mb=")
+        p = dataclasses.replace(p, micro_batch=cfg.batch // (p.dp * m))
+    return p
+
+
 def mesh_shape(cfg: TrainConfig) -> tuple[int, ...]:
+    p = parallel(cfg)
+    if p is not None:
+        if cfg.mesh is not None and tuple(cfg.mesh) != p.mesh_shape():
+            raise ValueError(f"--plan {cfg.plan} runs on a {'x'.join(map(str, p.mesh_shape()))} mesh {p.axes()}; "
+                             f"--mesh {'x'.join(map(str, cfg.mesh))} disagrees (leave --mesh out)")
+        return p.mesh_shape()
     if cfg.mesh is not None:
         return tuple(cfg.mesh)
     if cfg.plan in PIPELINED:
@@ -112,8 +141,12 @@ def check(cfg: TrainConfig) -> None:
     """Raise ValueError, saying what to change, if ``cfg`` cannot run."""
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODELS)}")
-    if cfg.plan not in PLANS:
-        raise ValueError(f"unknown plan {cfg.plan!r}; choose one of {', '.join(PLANS)}")
+    if cfg.plan not in PLANS and "=" not in cfg.plan:
+        raise ValueError(f"unknown plan {cfg.plan!r}; choose one of {', '.join(PLANS)}, or give auto.Parallel's "
+                         f"keys (e.g. tp=2,dp=2,sp=true: gpt only)")
+    if "=" in cfg.plan and cfg.model != "gpt":
+        raise ValueError(f"--plan {cfg.plan}: plans given by their keys lay out a GPT (auto.Parallel.to_plan); "
+                         f"for {cfg.model} give a plan name ({', '.join(PLANS)})")
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     for name in ("devices", "steps", "batch"):
@@ -127,6 +160,11 @@ def check(cfg: TrainConfig) -> None:
     with torch.device("meta"):  # the model checks its config (e.g. heads dividing the width); nothing allocated
         MODELS[cfg.model].model(_model_config(cfg))
     if cfg.plan == "none":
+        return
+    p = parallel(cfg)
+    if p is not None:
+        fits(p, _model_config(cfg), cfg.batch)
+        mesh_shape(cfg)
         return
     shape = mesh_shape(cfg)
     if any(n < 1 for n in shape) or math.prod(shape) != cfg.devices:
@@ -155,6 +193,11 @@ def _lay_out(cfg: TrainConfig, model: nn.Module, shape: tuple[int, ...]) -> tupl
     """The mesh and the model's plan for ``cfg.plan``; a pipelined plan is the stage kind's plan on
     each stage's sub-mesh, stages cut by parameter count (``Plan(stages="auto")``)."""
     ids = torch.arange(cfg.devices).reshape(shape).tolist()
+    p = parallel(cfg)
+    if p is not None:
+        mesh = Mesh(ids, axes=p.axes())
+        plan, _ = p.to_plan(mesh, batch=cfg.batch, model=model)
+        return mesh, dataclasses.replace(plan, checkpoint=(*plan.checkpoint, *cfg.checkpoint))
     if cfg.plan in PIPELINED:
         mesh = Mesh(ids, axes=cfg.plan.split(","))
         plan = MODELS[cfg.model].plans(mesh.submesh(pp=0), _stage_kind(cfg.plan)).staged("auto")
@@ -254,6 +297,10 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x, y):
 
 def train(cfg: TrainConfig) -> Result:
     check(cfg)
+    p = parallel(cfg)
+    if p is not None:  # the step as the plan says: its micro-batches, schedule and precision
+        cfg = dataclasses.replace(cfg, micro_batches=cfg.batch // (p.dp * p.micro_batch), schedule=p.schedule,
+                                  precision=None if p.precision == "fp32" else p.precision)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model, batches, data = build(cfg)
@@ -417,6 +464,10 @@ def _print_header(cfg: TrainConfig, model: nn.Module, params: int, shape, plan: 
         for pat, sbp in plan.params.items():
             print(f"  param  {pat:<28} {_sbp(sbp)}")
         print(f"  input  {what:<28} {_sbp(plan.inputs[''])}")
+        for kind, pins in (("input ", plan.inputs), ("output", plan.outputs)):
+            for pat, sbp in pins.items():
+                if pat:
+                    print(f"  {kind} {pat:<28} {_sbp(sbp)}")
         if plan.zero:
             split = ("optimizer state", "optimizer state and gradients", "optimizer state, gradients and parameters")
             print(f"  ZeRO-{plan.zero}: {split[plan.zero - 1]} split over dp")
