@@ -48,7 +48,7 @@ def calibration() -> None:
         params = sum(p.numel() for p in model.parameters())
         fixed = auto.Parallel(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=0, recompute="full", sequence_parallel=False)
         cfg, est = auto.search(model, auto.Cluster.preset("a100-80gb", devices=gpus), batch=batch, seq=2048,
-                               fixed=fixed, layouts=False)
+                               fixed=fixed, layouts=False, schedules=("1f1b", "interleaved"))  # Megatron-LM's
         err = est.tflops_per_device / published - 1
         sched = cfg.schedule + (f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
         print(f"| {params / 1e9:.1f}B | {h} | {layers} | {tp} | {pp} | {gpus} | {batch} | {published} | "

@@ -6,7 +6,8 @@ stages divide the layers, data parallelism takes the rest; micro-batch sizes, sc
 stages for the interleaved one), ZeRO 0-3, recomputation and sequence parallelism are enumerated.
 Fields set in ``fixed`` are kept. The ``TRACED`` fastest that fit are priced again with the
 tensor-parallel collectives of shoal's own traced step (``census``: a tp group of meta devices,
-any width) and ranked by that. Where the winner has tensor parallelism, per-op layouts for its
+any width) and their pipelines run on the virtual clock (the schedule's orders, the first and last
+stages as they differ), and ranked by that. Where the winner has tensor parallelism, per-op layouts for its
 tp group are chosen by the integer program (``layouts.gpt_layouts``) beside Megatron-LM's pattern,
 and ``Estimate.layouts`` / ``explain()`` report both.
 """
@@ -36,9 +37,10 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel | None = None) -> Iterator[Parallel]:
+def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel | None = None,
+               schedules: tuple[str, ...] = SCHEDULES) -> Iterator[Parallel]:
     """Every complete configuration agreeing with ``fixed`` that the model and batch allow (each one
-    ``Parallel.to_plan`` lays out)."""
+    ``Parallel.to_plan`` lays out), pipelines with one of ``schedules``."""
     mcfg = gpt_config(model)
     f = (fixed or Parallel()).given()
     node = cluster.links[0].size or cluster.devices
@@ -49,7 +51,7 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
             if "dp" in f and f["dp"] != dp or tp * pp * dp != cluster.devices:
                 continue
             for mb, sched, zero, rec, sp, prec in itertools.product(
-                    pick("micro_batch", MICRO_BATCHES), pick("schedule", SCHEDULES if pp > 1 else ("1f1b",)),
+                    pick("micro_batch", MICRO_BATCHES), pick("schedule", schedules if pp > 1 else ("1f1b",)),
                     pick("zero", (0, 1, 2, 3) if dp > 1 else (0,)), pick("recompute", RECOMPUTE),
                     pick("sequence_parallel", (False, True) if tp > 1 else (False,)),
                     pick("precision", ("bf16",))):
@@ -63,19 +65,22 @@ def candidates(model: nn.Module, cluster: Cluster, batch: int, fixed: Parallel |
 
 
 def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = None,
-           fixed: Parallel | None = None, layouts: bool = True, traced: bool = True) -> tuple[Parallel, Estimate]:
+           fixed: Parallel | None = None, layouts: bool = True, traced: bool = True,
+           schedules: tuple[str, ...] = SCHEDULES) -> tuple[Parallel, Estimate]:
     """The fastest configuration that fits (``Estimate.runner_up``: the second); a clear error if none
     fits, naming the closest. ``layouts``: a winner with tp > 1 gets per-op layouts for its tp group
-    (``Estimate.layouts``). ``traced``: the ``TRACED`` fastest are priced again on shoal's traced step (``census``)."""
+    (``Estimate.layouts``). ``traced``: the ``TRACED`` fastest are priced again on shoal's traced step
+    (``census``) and the virtual clock. ``schedules``: the pipeline schedules to weigh (a runtime's, e.g.
+    Megatron-LM's 1f1b and interleaved)."""
     mcfg = gpt_config(model)
     seq = seq or mcfg.block_size
-    def price(cfg: Parallel, on: Cluster) -> Estimate:
+    def price(cfg: Parallel, on: Cluster, clock: bool = False) -> Estimate:
         prof = profile(model, cfg.micro_batch, seq, DTYPES[cfg.precision])
-        return estimate(prof, mcfg, on, cfg, batch, seq, batch // (cfg.dp * cfg.micro_batch))
+        return estimate(prof, mcfg, on, cfg, batch, seq, batch // (cfg.dp * cfg.micro_batch), clock)
 
     best: list[Estimate] = []
     closest = None
-    for cfg in candidates(model, cluster, batch, fixed):
+    for cfg in candidates(model, cluster, batch, fixed, schedules):
         est = price(cfg, cluster)
         if not est.fits:
             if closest is None or est.memory_per_device < closest.memory_per_device:
@@ -88,9 +93,9 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
                              f"{cluster.devices} devices; free more of its fields")
         raise ValueError(f"auto.search: nothing fits in {cluster.memory / 1e9:.0f} GB per device; the closest, "
                          f"{closest.cfg}, needs {closest.memory_per_device / 1e9:.1f} GB; add devices")
-    if traced and not cluster.census:
-        counted = dataclasses.replace(cluster, census=True)
-        best = sorted((price(e.cfg, counted) for e in best), key=lambda e: e.step_seconds)
+    if traced:  # the finalists again: shoal's traced tp collectives, pipelines on the virtual clock
+        counted = cluster if cluster.census else dataclasses.replace(cluster, census=True)
+        best = sorted((price(e.cfg, counted, clock=True) for e in best), key=lambda e: e.step_seconds)
     winner = best[0]
     winner.runner_up = best[1] if len(best) > 1 else None
     if layouts and winner.cfg.tp > 1:

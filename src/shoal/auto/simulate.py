@@ -9,6 +9,7 @@ backward) and the optimizer update, and counts memory by kind. ``Estimate`` hold
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ..parallel.memory import byte_size
+from ..runtime import schedules
 from .census import census
 from .cluster import Cluster
 from .config import Parallel, check
@@ -58,6 +60,7 @@ class Estimate:
     # (the integer program's per-op layouts, Megatron's priced alike) for one tp group (``search``)
     layouts: tuple | None = field(default=None, repr=False)
     traced: bool = False  # the tp collectives are those of shoal's traced step (``census``), not Megatron's formula
+    clocked: bool = False  # the pipeline ran its schedule on the virtual clock, not the bubble's closed form
 
     @property
     def memory_per_device(self) -> float:
@@ -92,6 +95,12 @@ class Estimate:
             lines.append("  tensor-parallel collectives: " + (
                 "those of shoal's traced step (a tp group of meta devices, 1- and 2-layer twins: auto.census)"
                 if self.traced else "Megatron-LM's pattern (two all-reduces per layer each way, closed form)"))
+        if c.pp > 1:
+            m = self.batch // (c.dp * c.micro_batch)
+            lines.append("  pipeline: " + (
+                f"the {c.schedule} orders on the virtual clock ({c.pp} devices x {c.virtual_stages} stage(s), {m} "
+                f"micro-batches; the first stage runs the embedding too, the last the head)" if self.clocked
+                else "the bubble's closed form (equal stages, each as slow as the slowest)"))
         lines.append(f"  memory on the fullest device ({byte_size(self.memory_per_device)} of "
                      f"{byte_size(self.cluster.memory)}: {'fits' if self.fits else 'DOES NOT FIT'}):")
         for k, v in sorted(self.memory.items(), key=lambda kv: -kv[1]):
@@ -245,14 +254,17 @@ def simulate(model: nn.Module, cluster: Cluster, cfg: Parallel, *, batch: int, s
     check(c, mcfg, batch)
     m = batch // (c.dp * c.micro_batch)
     prof = profile(model, c.micro_batch, seq, DTYPES[c.precision])
-    return estimate(prof, mcfg, cluster, c, batch, seq, m)
+    return estimate(prof, mcfg, cluster, c, batch, seq, m, clock=True)
 
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq: int, m: int) -> Estimate:
-    """The step of ``m`` micro-batches (profiled in ``prof``) per data-parallel rank under resolved ``c``."""
+def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq: int, m: int,
+             clock: bool = False) -> Estimate:
+    """The step of ``m`` micro-batches (profiled in ``prof``) per data-parallel rank under resolved ``c``.
+    ``clock``: a pipeline runs its schedule on the virtual clock (``_clocked``), else the closed form
+    of its bubble (``bubble_fraction``, equal stages: the search's first pass)."""
     peak = cluster.peak(c.precision)
     sp = c.sequence_parallel and c.tp > 1
     layer = _phase_seconds(prof, "block", cluster, peak, c.tp, sp)
@@ -274,9 +286,12 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
         gather = cluster.all_gather(act, c.tp) if c.tp > 1 and not sp else 0.0
         p2p = 2 * c.virtual_stages * (cluster.send_recv(act / c.tp, across) + gather)
     stage = stage_compute + tp_comm + p2p  # one micro-batch through the slowest stage
-    w_share = layers * layer.weight_grad / stage if stage else 0.0
-    frac = bubble_fraction(c.schedule, c.pp, m, c.virtual_stages, w_share)
-    pipeline = m * stage / (1 - frac)
+    if clock and c.pp > 1:  # the schedule's orders on the virtual clock, the stages as they differ
+        pipeline, stage_compute, stage = _clocked(c, m, layers, layer, embed, head, tp_comm, p2p, recompute)
+    else:  # the closed form: equal stages, each as slow as the slowest
+        w_share = layers * layer.weight_grad / stage if stage else 0.0
+        frac = bubble_fraction(c.schedule, c.pp, m, c.virtual_stages, w_share)
+        pipeline = m * stage / (1 - frac)
 
     w_bytes, g_bytes, o_bytes = _STATES[c.precision]
     ends = prof.embed_params + prof.head_params if c.pp == 1 else max(prof.embed_params, prof.head_params)
@@ -316,7 +331,51 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     own *= batch // c.micro_batch
     per_device = 1e12 * step * cluster.devices
     return Estimate(c, cluster, batch, seq, step, mega / per_device, own / per_device,
-                    own / (step * cluster.devices * peak), memory, breakdown, traced=traced)
+                    own / (step * cluster.devices * peak), memory, breakdown, traced=traced,
+                    clocked=clock and c.pp > 1)
+
+
+@functools.cache
+def _orders(name: str, p: int, m: int, v: int) -> schedules.Orders:
+    return schedules.schedule(name, p, m, v)
+
+
+def _clocked(c: Parallel, m: int, layers: int, layer: _Layer, embed: _Layer, head: _Layer, tp_comm: float,
+             p2p: float, recompute: bool) -> tuple[float, float, float]:
+    """(makespan, compute, busy) of ``m`` micro-batches through the pipeline of resolved ``c`` on the
+    virtual clock (``runtime.schedules``: the orders the runtime fires), compute and busy being the
+    busiest device's per micro-batch. Each of the ``pp x v`` model stages runs its ``layers / v``
+    layers, the first the embedding too, the last the head and loss; each takes 1/v of a device's
+    tp collectives (split between forward and backward as its compute is) and sends its activations
+    forward and their gradient back (``p2p`` is a device's per micro-batch)."""
+    v, chunks = c.virtual_stages, c.pp * c.virtual_stages
+    per = layers / v
+    tp_f = layer.forward / (layer.forward + layer.backward + (layer.forward if recompute else 0.0))
+    send = p2p / (2 * v)
+
+    def compute(kind: str, stage: int) -> float:
+        first, last = stage == 0, stage == chunks - 1
+        if kind == "F":
+            return per * layer.forward + first * embed.forward + last * head.forward
+        if kind == "W":
+            return per * layer.weight_grad
+        return (per * (layer.backward - layer.weight_grad + (layer.forward if recompute else 0.0))
+                + first * embed.backward + last * head.backward)
+
+    def seconds(kind: str, stage: int) -> float:
+        comm = 0.0 if kind == "W" else send + tp_comm / v * (tp_f if kind == "F" else 1 - tp_f)
+        return compute(kind, stage) + comm
+
+    timeline = schedules.simulate(_orders(c.schedule, c.pp, m, v), c.pp, v, seconds)
+    makespan = max(f.end for f in timeline) - min(f.start for f in timeline)
+    busy, work = [0.0] * c.pp, [0.0] * c.pp
+    for f in timeline:
+        stage = f.item.chunk * c.pp + f.device
+        busy[f.device] += f.end - f.start
+        work[f.device] += compute(f.item.kind, stage) + (compute("W", stage) if f.item.kind == "B" and
+                                                         c.schedule != "zb" else 0.0)
+    d = max(range(c.pp), key=busy.__getitem__)
+    return makespan, work[d] / m, busy[d] / m
 
 
 def _tp_seconds(prof: Profile, mcfg, cluster: Cluster, c: Parallel, seq: int, act: float,

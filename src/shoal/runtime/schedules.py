@@ -251,15 +251,23 @@ UNIFORM = {"F": 1.0, "B": 1.0, "W": 1.0}
 
 
 def simulate(
-    orders: Orders, p: int, v: int = 1, durations: Mapping[str, float] = UNIFORM, comm: float = 0.0
+    orders: Orders, p: int, v: int = 1, durations: Mapping[str, float] | Callable[[str, int], float] = UNIFORM,
+    comm: float = 0.0,
 ) -> list[Firing]:
     """Run the orders on a virtual clock: each device runs its order in sequence, an item starting
     when its device is free and its dependencies have ended (plus ``comm`` when a dependency ran on
-    another device). ``durations`` are per item and name the *split* backward: "B" the input
-    gradient, "W" the weight gradient; in a schedule without W items each B is the whole backward
-    and lasts ``durations["B"] + durations["W"]``, so split and unsplit schedules compare fairly."""
+    another device). ``durations`` are per item kind, or ``durations(kind, stage)`` per model stage
+    (stages that differ: the first holds the embedding, the last the head), and name the *split*
+    backward: "B" the input gradient, "W" the weight gradient; in a schedule without W items each B
+    is the whole backward and lasts B + W, so split and unsplit schedules compare fairly."""
     split = _is_split(orders)
-    length = {"F": durations["F"], "B": durations["B"] + (0.0 if split else durations["W"]), "W": durations["W"]}
+    per_stage = durations if callable(durations) else (lambda kind, stage: durations[kind])
+
+    def length(kind: str, stage: int) -> float:
+        if kind == "B" and not split:
+            return per_stage("B", stage) + per_stage("W", stage)
+        return per_stage(kind, stage)
+
     ends: dict[Key, tuple[int, float]] = {}
     free = [0.0] * len(orders)
     timeline = []
@@ -268,8 +276,9 @@ def simulate(
         for dep in deps:
             dep_device, dep_end = ends[dep]
             start = max(start, dep_end + (comm if dep_device != d else 0.0))
-        end = start + length[item.kind]
-        ends[_key(item, d, p)] = (d, end)
+        key = _key(item, d, p)
+        end = start + length(item.kind, key[1])
+        ends[key] = (d, end)
         free[d] = end
         timeline.append(Firing(d, item, start, end))
     return timeline
