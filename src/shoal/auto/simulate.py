@@ -106,21 +106,19 @@ class Estimate:
         for k, v in sorted(self.memory.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {k:<22} {byte_size(v):>12}")
         if self.layouts is not None:
-            lines += _layouts_lines(*self.layouts, c.tp, c.sequence_parallel)
+            lines += _layouts_lines(*self.layouts, c.tp)
         if self.runner_up is not None:
             lines.append(f"  runner-up {self.runner_up.cfg}: {self.runner_up.step_seconds:.3f} s "
                          f"({self.runner_up.tflops_per_device:.1f} TFLOP/s); it lost by " + _why(self, self.runner_up))
         return "\n".join(lines)
 
 
-def _layouts_lines(best, megatron, tp: int, sp: bool) -> list[str]:
-    """What the integer program's per-op layouts for a tp group would change (``search``). The program
-    weighs no sequence parallelism: both sides are priced without it."""
+def _layouts_lines(best, megatron, tp: int) -> list[str]:
+    """What the integer program's per-op layouts for a tp group would change (``search``)."""
     differ = [n for n in best.params if best.params[n] != megatron.params[n]]
     kinds = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in differ})
     return [f"  per-op layouts of a tp group of {tp} (integer program, a micro-batch through a twin of at most 3 "
-            f"layers{', both without sequence parallelism' if sp else ''}): {best.seconds * 1e3:.3f} ms against "
-            f"Megatron's pattern {megatron.seconds * 1e3:.3f} ms "
+            f"layers): {best.seconds * 1e3:.3f} ms against Megatron's pattern {megatron.seconds * 1e3:.3f} ms "
             f"({100 * (1 - best.seconds / megatron.seconds):.1f}% less), solved in {best.solve_seconds:.1f} s",
             f"    {len(differ)} of {len(best.params)} parameters laid out otherwise"
             + (f": {', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''}" if kinds else "")
