@@ -215,6 +215,18 @@ def test_shoal_plan_json():
     assert bad.returncode == 2 and bad.stderr.startswith("shoal plan: error:") and "Traceback" not in bad.stderr
 
 
+def test_shoal_plan_weighs_the_schedules_it_is_given(capsys):
+    from shoal.cli import main
+
+    args = ["plan", "gpt", "--set", "n_layer=8", "--set", "n_embd=64", "--devices", "8", "--batch", "64",
+            "--plan", "pp=4,tp=1", "--json"]
+    for names in ("1f1b", "gpipe,zb"):
+        assert main([*args, "--schedules", names]) == 0
+        assert auto.Parallel.parse(json.loads(capsys.readouterr().out)["plan"]).schedule in names.split(",")
+    assert main([*args, "--schedules", "1f1b,1f2b"]) == 2
+    assert "--schedules '1f1b,1f2b': give some of gpipe, 1f1b, interleaved, zb" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text,shape,axes", [
     ("pp=2,tp=2,precision=fp32", (2, 2), ("pp", "tp")), ("pp=2,tp=2,sp=true,precision=fp32", (2, 2), ("pp", "tp")),
     ("pp=4,precision=fp32", (4,), ("pp",)),

@@ -171,6 +171,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--seq", type=int, help="sequence length (default: the model's block_size)")
     p.add_argument("--plan", default="", metavar="K=V,...",
                    help="tp, pp, dp, mb, schedule, zero, recompute, sp, v, precision; e.g. tp=8,pp=8,dp=16,mb=1")
+    p.add_argument("--schedules", default=",".join(auto.SCHEDULES), metavar="NAME,...",
+                   help="the pipeline schedules to weigh, those a runtime has (e.g. 1f1b,interleaved for "
+                        "Megatron-LM's; default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -186,7 +189,11 @@ def _plan(args: argparse.Namespace) -> int:
         if len(fixed.given()) == len(dataclasses.fields(auto.Parallel)):  # all given: simulate it, fit or not
             est = auto.simulate(model, cluster, fixed, batch=args.batch, seq=args.seq)
         else:
-            _, est = auto.search(model, cluster, batch=args.batch, seq=args.seq, fixed=fixed)
+            schedules = tuple(filter(None, (n.strip() for n in args.schedules.split(","))))
+            unknown = [n for n in schedules if n not in auto.SCHEDULES]
+            if unknown or not schedules:
+                raise ValueError(f"--schedules {args.schedules!r}: give some of {', '.join(auto.SCHEDULES)}")
+            _, est = auto.search(model, cluster, batch=args.batch, seq=args.seq, fixed=fixed, schedules=schedules)
         seconds = time.perf_counter() - t0
     except ValueError as e:
         print(f"shoal plan: error: {e}", file=sys.stderr)

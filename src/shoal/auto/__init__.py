@@ -7,9 +7,10 @@ for a bundled GPT, beside Megatron's layouts).
 """
 
 from .cluster import Cluster, Link
-from .config import Parallel
+from .config import SCHEDULES, Parallel
 from .layouts import Layouts, gpt_layouts
 from .search import search
 from .simulate import Estimate, megatron_flops, simulate
 
-__all__ = ["Cluster", "Link", "Parallel", "Estimate", "simulate", "search", "megatron_flops", "Layouts", "gpt_layouts"]
+__all__ = ["Cluster", "Link", "Parallel", "SCHEDULES", "Estimate", "simulate", "search", "megatron_flops", "Layouts",
+           "gpt_layouts"]
