@@ -5,6 +5,7 @@ out by its plan on 4 virtual devices: losses at every step, final parameters and
 (BatchNorm running statistics included) must agree.
 """
 
+import copy
 import dataclasses
 import json
 import subprocess
@@ -13,6 +14,8 @@ from functools import cache
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shoal
 from shoal.cli import main
@@ -240,6 +243,28 @@ def test_sequence_parallelism_trains_like_one_device(name, kind):
     assert counts[True]["all_reduce"] == counts[False]["all_reduce"] - moved
     for kind_ in ("reduce_scatter", "all_gather"):
         assert counts[True][kind_] >= counts[False][kind_] + moved
+
+
+@settings(max_examples=12, derandomize=True, database=None, deadline=None, print_blob=False)
+@given(kind=st.sampled_from(["tp", "dp,tp"]), rows=st.integers(1, 5), tokens=st.integers(1, 8),
+       dropout=st.sampled_from([0.0, 0.3]), seed=st.integers(0, 2**16))
+def test_sequence_parallel_gpt_equals_one_device_on_drawn_shapes(kind, rows, tokens, dropout, seed):
+    """Batches and sequences hypothesis draws, fewer rows or tokens than devices among them (empty
+    shards): the loss and every gradient of a sequence-parallel GPT equal one device's."""
+    torch.manual_seed(seed)
+    ref = gpt.GPT(gpt.GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=dropout))
+    mesh = mesh_for(kind)
+    model = shoal.distribute_module(copy.deepcopy(ref), mesh, gpt.plans(mesh, kind, sequence_parallel=True))
+    x, y = torch.randint(13, (2, rows, tokens), generator=torch.Generator().manual_seed(seed))
+    losses = []
+    for m in (ref, model):
+        torch.manual_seed(seed + 1)
+        loss = m(x, y)[1]
+        loss.backward()
+        losses.append(loss)
+    assert_same_value(losses[1], losses[0], "loss", rtol=1e-5, atol=1e-6)
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert_same_value(q.grad, p.grad, name, rtol=1e-5, atol=1e-6)
 
 
 def test_sequence_parallelism_needs_a_tensor_parallel_axis():
