@@ -119,8 +119,12 @@ def test_a_mesh_makes_no_process_group_until_a_collective_needs_it():
 def test_pipeline_stages_on_two_processes_equal_one_device(per_process):
     """One stage per process: activations and their gradients cross by point-to-point sends, in an
     order that cannot deadlock (GPipe's all-forwards-first and interleaved's two visits included);
-    with 4 devices per process, pipeline x data x tensor parallel (pp=2, dp=2, tp=2)."""
+    with 4 devices per process, pipeline x data x tensor parallel (pp=2, dp=2, tp=2), and a GPT by
+    ``auto.Parallel.to_plan`` whose activations cross replicated over tp (sent 1/tp, gathered on
+    arrival) or split on the sequence (sp)."""
     code, out, _ = shoal_run(2, per_process, "pipeline_worker.py", timeout=240)
     assert code == 0, out[-4000:]
     for r in range(2):
         assert f"OK rank {r} of 2 x {per_process} devices" in out, out[-4000:]
+        if per_process == 4:  # and a GPT laid out by auto's plans, with and without sequence parallelism
+            assert f"gpt sp=False: rank {r} ok" in out and f"gpt sp=True: rank {r} ok" in out, out[-4000:]
