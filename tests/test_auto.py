@@ -147,6 +147,25 @@ def test_search_on_gpt3_175b_fits_and_beats_every_megatron_style_hand_plan():
     assert f"per-op layouts of a tp group of {cfg.tp}" in est.explain()
 
 
+def test_memory_counts_the_communication_buffers_shoal_holds():
+    """Per device, during backward: two gradient buckets (one filling, one reducing), or under ZeRO-2/3
+    the largest gradient whole before its reduce-scatter; under ZeRO-3 two blocks' weights gathered
+    whole; under pipelines a received activation and gradient for each of two registers."""
+    h, vocab, seq = 1024, 51200, 512
+    model = meta_gpt(vocab_size=vocab, block_size=seq, n_layer=8, n_head=16, n_embd=h)
+    cluster = auto.Cluster.preset("a100-80gb", devices=64)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+
+    def buffers(**kw):
+        cfg = auto.Parallel(tp=2, micro_batch=1, recompute="none", precision="bf16", **kw)
+        return auto.simulate(model, cluster, cfg, batch=64, seq=seq).memory["communication buffers"]
+
+    assert buffers(pp=1, dp=32, zero=0) == 2 * cluster.bucket_bytes
+    assert buffers(pp=1, dp=32, zero=2) == vocab * h / 2 * 4  # the tp shard of the embedding's fp32 gradient
+    assert buffers(pp=1, dp=32, zero=3) == vocab * h / 2 * 4 + 2 * block / 2 * 2  # and two bf16 blocks
+    assert buffers(pp=2, dp=16, zero=0) == 2 * cluster.bucket_bytes + 4 * seq * h * 2 / 2
+
+
 def test_simulating_175b_on_1024_devices_takes_well_under_a_second():
     model = meta_gpt(**GPT3)
     cfg = auto.Parallel.parse("tp=8,pp=8,dp=16,mb=1,schedule=1f1b,zero=1,recompute=full")

@@ -324,7 +324,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
                  "pipeline send/recv": m * p2p, "pipeline bubble": pipeline - m * stage,
                  "data-parallel comm": dp_time, "optimizer": update}
 
-    memory = _memory(prof, c, mcfg, params, layers, m, sp)
+    memory = _memory(prof, c, mcfg, params, layers, m, sp, cluster.bucket_bytes)
     mega = megatron_flops(batch, seq, mcfg.n_layer, mcfg.n_embd, mcfg.vocab_size)
     own = sum(o.flops for o in prof.ops if o.where != "block") + mcfg.n_layer * sum(
         o.flops for o in prof.ops if o.where == "block")
@@ -396,7 +396,13 @@ def _tp_seconds(prof: Profile, mcfg, cluster: Cluster, c: Parallel, seq: int, ac
                                                       + prof.allreduces_backward), False
 
 
-def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int, sp: bool) -> dict[str, float]:
+def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int, sp: bool,
+            bucket: float) -> dict[str, float]:
+    """Bytes on the fullest device by kind. Communication buffers, as shoal's step holds them during
+    backward: data-parallel gradients flattened into buckets (one filling, one reducing), or under
+    ZeRO-2/3 the largest gradient whole before its reduce-scatter; under ZeRO-3 two units' weights
+    gathered whole (the one running and the next); under pipelines a received activation and
+    gradient per register (the runtime's two), 1/tp of a micro-batch's layer output each."""
     w, g, o = _STATES[c.precision]
     dp = c.dp
     out = {"weights": params * w / (dp if c.zero >= 3 else 1),
@@ -411,4 +417,14 @@ def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int
     else:
         out["activations"] = held * layers * per_layer
     out["logits (last stage)"] = prof.head_saved / c.tp
+    largest = max(mcfg.vocab_size, 4 * mcfg.n_embd) * mcfg.n_embd / c.tp  # the vocabulary's or the MLP's matrix
+    act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]
+    buffers = 0.0
+    if dp > 1:
+        buffers += largest * g if c.zero >= 2 else 2 * min(bucket, params * g)
+    if dp > 1 and c.zero >= 3:
+        buffers += 2 * (prof.block_params / c.tp) * w
+    if c.pp > 1:
+        buffers += 2 * 2 * act / c.tp
+    out["communication buffers"] = buffers
     return out
