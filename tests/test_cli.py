@@ -145,6 +145,9 @@ def test_train_takes_the_keys_of_shoal_plan(plan):
     (dict(plan="dp=4,sp=true"), "needs tp > 1"),
     (dict(plan="pp=2,dp=2", batch=6), "does not split into 2 data-parallel ranks x 4 micro-batches"),
     (dict(plan="tp=2,dp=2,mb=3"), "not a multiple of dp x micro_batch"),
+    (dict(plan="pp=2,dp=2,schedule=gpipe", schedule="zb"), "--schedule zb disagrees with --plan"),
+    (dict(plan="tp=2,dp=2,precision=fp32", precision="bf16"), "--precision bf16 disagrees"),
+    (dict(plan="pp=2,dp=2,mb=2", batch=16, micro_batches=2), "--micro-batches 2 disagrees .* \\(4\\)"),
 ])
 def test_plans_by_their_keys_say_what_is_wrong(config, message):
     cfg = TrainConfig(**{**dict(devices=4, steps=1, save=False, verbose=False, progress=False), **config})

@@ -106,6 +106,15 @@ def parallel(cfg: TrainConfig) -> Parallel | None:
     if "=" not in cfg.plan:
         return None
     given = Parallel.parse(cfg.plan)
+    default = TrainConfig()
+    flags = {"schedule": ("--schedule", cfg.schedule, given.schedule),
+             "precision": ("--precision", cfg.precision, given.precision),
+             "micro_batches": ("--micro-batches", cfg.micro_batches,
+                               None if given.micro_batch is None or given.dp is None
+                               else cfg.batch // (given.dp * given.micro_batch))}
+    for name, (flag, value, planned) in flags.items():
+        if value != getattr(default, name) and planned is not None and value != planned:
+            raise ValueError(f"{flag} {value} disagrees with --plan {cfg.plan} ({planned}); give it in one place")
     fill = {"schedule": cfg.schedule, "precision": cfg.precision or "fp32"}
     p = dataclasses.replace(given, **{k: v for k, v in fill.items() if getattr(given, k) is None})
     p = p.resolved(cfg.devices)
