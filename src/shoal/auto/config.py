@@ -137,9 +137,10 @@ class Parallel:
         if cfg.pp == 1:
             plan = _tp_layouts(gpt.plans(mesh, ",".join(axes), cfg.sequence_parallel), axes, layouts)
         else:
-            inner = _tp_layouts(gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:]), cfg.sequence_parallel), axes[1:],
-                                layouts) \
-                if len(axes) > 1 else Plan()
+            inner = Plan()  # a stage's sub-mesh: the GPT's plan for the axes left, or replicated
+            if len(axes) > 1:
+                inner = _tp_layouts(gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:]), cfg.sequence_parallel),
+                                    axes[1:], layouts)
             stages = "auto"
             if cfg.virtual_stages > 1:
                 if model is None:
