@@ -230,6 +230,7 @@ def test_shoal_plan_json():
     cfg = auto.Parallel.parse(out["plan"])
     assert (cfg.tp, cfg.pp, cfg.dp) == (8, 8, 16) and out["fits"] and out["memory_per_device_bytes"] <= 80e9
     assert out["tp_collectives"] == "traced"  # the search's finalists are priced on shoal's traced step
+    assert out["pipeline"] == "clock"  # and run their schedule on the virtual clock
     bad = subprocess.run(args[:-3] + ["--plan", "tp=3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("shoal plan: error:") and "Traceback" not in bad.stderr
 

@@ -75,7 +75,8 @@ class Estimate:
                 "model_tflops_per_device": self.model_tflops_per_device, "mfu": self.mfu,
                 "memory_per_device_bytes": int(self.memory_per_device), "fits": self.fits,
                 "breakdown_seconds": self.breakdown, "memory_bytes": {k: int(v) for k, v in self.memory.items()},
-                "tp_collectives": "traced" if self.traced else "megatron"}
+                "tp_collectives": "traced" if self.traced else "megatron",
+                "pipeline": "clock" if self.clocked else "closed form" if self.cfg.pp > 1 else "none"}
 
     def explain(self) -> str:
         c = self.cfg
