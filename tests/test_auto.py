@@ -505,7 +505,24 @@ def test_a_plan_for_1024_devices_is_traced_by_the_devices_of_one_process():
     # each tp device sends half of a micro-batch's activations (or their gradient): Megatron-LM's scatter-gather
     act = 2 * 64 * 128 * 4
     assert {c.nbytes for c in count(dataclasses.replace(staged, ops=sends))} == {act // 2}
+    # the last process's view: stage 1's second dp replica (devices 6 and 7) runs the head and the loss,
+    # and exchanges with stage 0's devices 2 and 3, which no process here owns
+    with meta_world(8, per_process=2, rank=-1) as w:
+        assert w.rank == 3 and w.local_devices == (6, 7)
+        last = traced_step(mcfg, auto.Parallel(tp=2, dp=2, pp=2, micro_batch=2, precision="fp32",
+                                               schedule="1f1b"), micro_batches=4)
+    calls = [op for op in last.ops if op.kind == "call"]
+    assert {op.device for op in calls} == {6, 7}
+    def losses(graph):  # the head's (vocabulary-parallel) cross entropy
+        return [op for op in graph.ops if op.kind == "call" and "nll_loss_forward" in str(op.fn)]
+
+    assert losses(last) and not losses(staged)
+    sends = [op for op in last.ops if op.kind == "comm" and op.fn.name == "transfer"]
+    assert sorted(op.devices for op in sends) == [(2, 6), (3, 7), (6, 2), (7, 3)]
+    assert {c.nbytes for c in count(dataclasses.replace(last, ops=sends))} == {act // 2}
     with pytest.raises(ValueError, match="per_process"), meta_world(1024, per_process=3):
+        pass
+    with pytest.raises(ValueError, match="give a rank in 0..3"), meta_world(8, per_process=2, rank=4):
         pass
 
 

@@ -323,11 +323,12 @@ def is_initialized() -> bool:
 
 
 @contextlib.contextmanager
-def meta_world(devices: int, per_process: int | None = None):
+def meta_world(devices: int, per_process: int | None = None, rank: int = 0):
     """A world of ``devices`` meta devices for the duration (``init(device_type="meta")``), then the
     world before it: a plan for more devices than this machine has, or a model larger than its memory,
     traced as shoal would run it (``auto.census``). ``per_process`` (default all): the world is
-    ``devices // per_process`` processes, this one the first (rank 0) and the others absent. Meshes span
+    ``devices // per_process`` processes, this one ``rank`` (default the first) and the others absent
+    (rank -1: the last, e.g. a pipeline's last stage, which holds the head). Meshes span
     every device, tensors hold shards on this process's alone, and collectives with the absent
     processes move nothing (their results are shapes): one process's devices stand for the others,
     so a plan for 1024 devices is traced by the ops of ``per_process`` of them."""
@@ -335,8 +336,12 @@ def meta_world(devices: int, per_process: int | None = None):
     if per_process < 1 or devices % per_process:
         raise ValueError(f"meta_world({devices}, per_process={per_process}): the devices must split into "
                          f"processes of equally many; give a per_process that divides {devices}")
+    processes = devices // per_process
+    if not -processes <= rank < processes:
+        raise ValueError(f"meta_world({devices}, per_process={per_process}, rank={rank}): there are {processes} "
+                         f"processes; give a rank in 0..{processes - 1} (or -1 for the last)")
     before = _WORLD
-    _set(World(processes=devices // per_process, devices_per_process=per_process, rank=0, device_type="meta"))
+    _set(World(processes=processes, devices_per_process=per_process, rank=rank % processes, device_type="meta"))
     try:
         yield _WORLD
     finally:
