@@ -23,7 +23,7 @@ from .cluster import Cluster
 from .config import Parallel, check
 from .profile import OpCost, Profile, gpt_config, profile
 
-__all__ = ["Estimate", "simulate", "estimate", "check", "megatron_flops", "bubble_fraction", "in_flight", "DTYPES"]
+__all__ = ["Estimate", "simulate", "estimate", "megatron_flops", "bubble_fraction", "in_flight", "DTYPES"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # bytes per parameter: (weights, gradients, optimizer state) under Adam. Mixed precision as Megatron-LM
@@ -325,7 +325,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
                  "pipeline send/recv": m * p2p, "pipeline bubble": pipeline - m * stage,
                  "data-parallel comm": dp_time, "optimizer": update}
 
-    memory = _memory(prof, c, mcfg, params, layers, m, sp, cluster.bucket_bytes)
+    memory = _memory(prof, c, params, layers, m, sp, act, cluster.bucket_bytes, mcfg)
     mega = megatron_flops(batch, seq, mcfg.n_layer, mcfg.n_embd, mcfg.vocab_size)
     own = sum(o.flops for o in prof.ops if o.where != "block") + mcfg.n_layer * sum(
         o.flops for o in prof.ops if o.where == "block")
@@ -369,12 +369,13 @@ def _clocked(c: Parallel, m: int, layers: int, layer: _Layer, embed: _Layer, hea
 
     timeline = schedules.simulate(_orders(c.schedule, c.pp, m, v), c.pp, v, seconds)
     makespan = max(f.end for f in timeline) - min(f.start for f in timeline)
+    split = any(f.item.kind == "W" for f in timeline)  # else each B item holds the weight gradient too
     busy, work = [0.0] * c.pp, [0.0] * c.pp
     for f in timeline:
         stage = f.item.chunk * c.pp + f.device
         busy[f.device] += f.end - f.start
-        work[f.device] += compute(f.item.kind, stage) + (compute("W", stage) if f.item.kind == "B" and
-                                                         c.schedule != "zb" else 0.0)
+        work[f.device] += compute(f.item.kind, stage) + (compute("W", stage) if f.item.kind == "B" and not split
+                                                         else 0.0)
     d = max(range(c.pp), key=busy.__getitem__)
     return makespan, work[d] / m, busy[d] / m
 
@@ -397,8 +398,8 @@ def _tp_seconds(prof: Profile, mcfg, cluster: Cluster, c: Parallel, seq: int, ac
                                                       + prof.allreduces_backward), False
 
 
-def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int, sp: bool,
-            bucket: float) -> dict[str, float]:
+def _memory(prof: Profile, c: Parallel, params: float, layers: int, m: int, sp: bool, act: float,
+            bucket: float, mcfg) -> dict[str, float]:
     """Bytes on the fullest device by kind. Communication buffers, as shoal's step holds them during
     backward: data-parallel gradients flattened into buckets (one filling, one reducing), or under
     ZeRO-2/3 the largest gradient whole before its reduce-scatter; under ZeRO-3 two units' weights
@@ -413,13 +414,12 @@ def _memory(prof: Profile, c: Parallel, mcfg, params: float, layers: int, m: int
     per_layer = prof.saved_split / c.tp + replicated
     held = in_flight(c.schedule, c.pp, m, c.virtual_stages)
     if c.recompute == "full":  # each layer keeps its input; one layer's whole activations live in its backward
-        kept = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision] / (c.tp if sp else 1)
+        kept = act / (c.tp if sp else 1)
         out["activations"] = held * layers * kept + per_layer
     else:
         out["activations"] = held * layers * per_layer
     out["logits (last stage)"] = prof.head_saved / c.tp
     largest = max(mcfg.vocab_size, 4 * mcfg.n_embd) * mcfg.n_embd / c.tp  # the vocabulary's or the MLP's matrix
-    act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]
     buffers = 0.0
     if dp > 1:
         buffers += largest * g if c.zero >= 2 else 2 * min(bucket, params * g)

@@ -102,7 +102,8 @@ def megatron_plan(mesh: Mesh, kind: str, vocab: tuple[str, ...], heads: tuple[st
         params = {"blocks.*.attn.[qkv].*": col, "blocks.*.mlp.up.*": col, "blocks.*.attn.proj.weight": row,
                   "blocks.*.mlp.down.weight": row, **{name: col for name in vocab}}
         subs = ("blocks.*.attn", "blocks.*.mlp")
-        outputs = {name: ax.layout(dp=S(0), tp=S(1)) if sequence_parallel else whole for name in (*subs, "tok_emb")}
+        between = ax.layout(dp=S(0), tp=S(1)) if sequence_parallel else whole  # the sub-blocks' outputs
+        outputs = {name: between for name in (*subs, "tok_emb")}
         if sequence_parallel:
             inputs.update({name: whole for name in (*subs, *heads)})
     return Plan(params=params, inputs=inputs, outputs=outputs, zero=kinds.ZERO.get(kind, 0))
