@@ -624,18 +624,20 @@ def test_shoal_train_compile_tp_command_runs(tmp_path, capsys):
     assert "each step a compiled graph" in capsys.readouterr().out and (tmp_path / "losses.json").exists()
 
 
+def dropout_gpt():
+    """A small GPT with dropout, data parallel, and its AdamW."""
+    torch.manual_seed(0)
+    m = gpt.GPT(gpt.GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.2))
+    mesh = mesh_for("dp")
+    m = shoal.distribute_module(m, mesh, gpt.plans(mesh, "dp"))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+
 def test_dropout_draws_the_eager_masks():
     """Random draws are host work, re-run every step in program order; tracing draws nothing the
     step would then miss: with the same seed, the compiled steps equal the eager ones."""
 
-    def build_dropout():
-        torch.manual_seed(0)
-        m = gpt.GPT(gpt.GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.2))
-        mesh = mesh_for("dp")
-        m = shoal.distribute_module(m, mesh, gpt.plans(mesh, "dp"))
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-    (a, oa), (b, ob) = build_dropout(), build_dropout()
+    (a, oa), (b, ob) = dropout_gpt(), dropout_gpt()
     compiled = shoal.compile(step)
     for i, (x, y) in enumerate(batches("gpt")[:3]):
         torch.manual_seed(100 + i)
@@ -659,6 +661,25 @@ def test_pieces_with_the_optimizer_inside_equal_sequential_steps():
         want = [step(a, oa, *d).item() for d in data]
         assert [t.item() for t in compiled(b, ob, x, y)] == pytest.approx(want, rel=1e-5)
     assert compiled.traces == 1
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)
+
+
+def test_pieces_draw_as_sequential_steps_do():
+    """Pieces in flight draw their dropout masks as steps run one after another do (each piece's
+    draws replayed in piece order before the run), and leave the generator where they leave it."""
+
+    (a, oa), (b, ob) = dropout_gpt(), dropout_gpt()
+    compiled = shoal.compile(step, pieces=3)
+    data = batches("gpt")[:3]
+    x, y = torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data])
+    for i in range(2):
+        torch.manual_seed(7 + i)
+        want = [step(a, oa, *d).item() for d in data]
+        after = torch.get_rng_state()
+        torch.manual_seed(7 + i)
+        assert [t.item() for t in compiled(b, ob, x, y)] == pytest.approx(want, rel=1e-5)
+        assert torch.equal(torch.get_rng_state(), after)
     for p, q in zip(a.parameters(), b.parameters()):
         assert_same_value(q.detach(), p.detach().full(), rtol=1e-5, atol=5e-6)
 

@@ -409,3 +409,60 @@ def test_clipping_and_zero_grad_after_step_run_once_over_every_stage():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_same_value(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
         assert p.grad is None and q.grad is None
+
+
+def accumulated_step(model, opt, x, y, m: int):
+    """Plain torch's gradient accumulation on one device: forward and backward of each of ``m``
+    micro-batches (contiguous rows) in turn, the loss scaled by 1/m, then one update."""
+    b = x.shape[0] // m
+    losses = []
+    for k in range(m):
+        _, loss = model(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b])
+        (loss / m).backward()
+        losses.append(loss.detach())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("text", [
+    "pp=2,dp=2,schedule=1f1b", "pp=2,dp=2,schedule=gpipe", "pp=4,schedule=zb",
+    "pp=2,dp=2,schedule=interleaved,v=2", "pp=2,tp=2,sp=true,schedule=1f1b", "pp=2,dp=2,recompute=full"])
+def test_dropout_in_a_pipeline_draws_what_one_device_accumulating_draws(text):
+    """With dropout, a pipelined step equals plain torch on one device running the micro-batches one
+    after another (gradient accumulation), mask for mask, whatever the schedule runs first: each
+    micro-batch's draws are replayed in that order before the run (``Runtime._replay_draws``). Four
+    steps with an 8-row batch in micro-batches of 1 (4 on pp=2 x dp=2, 8 on pp=4); losses, weights,
+    and the generator's state after each step."""
+    from shoal import auto
+    from shoal.models.gpt import GPT, GPTConfig
+    from shoal.train import gather, train_step
+
+    cfg = auto.Parallel.parse(text + ",mb=1,precision=fp32")
+    degrees = {"pp": cfg.pp or 1, "dp": cfg.dp or 1, "tp": cfg.tp or 1}
+    shape, axes = zip(*[(n, a) for a, n in degrees.items() if n > 1])
+    mesh = shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=16, dropout=0.3))
+    plan, options = cfg.to_plan(mesh, batch=8, model=base)
+    m = options["micro_batches"]
+    assert m == 8 // degrees["dp"]
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = shoal.distribute_module(copy.deepcopy(base), mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = shoal.compile(train_step, **options)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(4):
+        x, y = torch.randint(0, 16, (8, 8), generator=gen), torch.randint(0, 16, (8, 8), generator=gen)
+        torch.manual_seed(10 + i)
+        want = accumulated_step(ref, ref_opt, x, y, m)
+        after = torch.get_rng_state()
+        torch.manual_seed(10 + i)
+        got = step(model, opt, x, y)
+        assert_same_value(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.get_rng_state(), after), f"step {i}: the generator is not where one device leaves it"
+    assert step.traces == 2
+    got = gather(model).state_dict()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-5, msg=name)

@@ -35,10 +35,12 @@ class CompiledStep:
     M micro-batches along dim 0, forward and backward run per micro-batch in ``schedule``'s order
     per stage ("1f1b", "gpipe", "interleaved", "zb") with gradients accumulated, scaled for the
     loss's reduction (``loss="mean"`` or ``"sum"``), and ``zero_grad``, clipping and ``opt.step()``
-    run once, so a call equals one step on the whole batch. It returns what the step returns, a 0-dim
-    float averaged over micro-batches (summed for ``"sum"``), other tensors concatenated.
+    run once, so a call equals one step on the whole batch; random draws (dropout) are those of one
+    device accumulating gradients over the micro-batches in turn, whatever the schedule's order. It
+    returns what the step returns, a 0-dim float averaged over micro-batches (summed for ``"sum"``),
+    other tensors concatenated.
     ``pieces`` P > 1 instead runs the whole step (optimizer included) on each of P pieces in turn,
-    several in flight, state carried from piece to piece, and returns the P results.
+    several in flight, state carried from piece to piece (random draws too), and returns the P results.
     ``batch`` (the default): a worker thread's devices whose compute segments are the same code
     (8 or more: many virtual devices on one CPU or GPU) run them as one batched task
     (``graph.batch``; results within float rounding of the per-device loop, not bit for bit);

@@ -80,6 +80,12 @@ class Op:
     phase: str = "F"  # a pipelined step's part: "F" forward, "B" backward (input gradients), "W" weight gradients
     stage: int | None = None  # a pipelined step's model stage (None: not staged)
 
+    @property
+    def random(self) -> bool:
+        """It draws from torch's random generator or sets its state (torch tags such ops
+        ``nondeterministic_seeded``): the stream must advance, and be set, as in eager."""
+        return torch.Tag.nondeterministic_seeded in getattr(self.fn, "tags", ())
+
     def name(self) -> str:
         if self.kind == "comm":
             return f"comm.{self.fn.name}"

@@ -12,8 +12,6 @@ from .verify import verify
 
 __all__ = ["run_passes", "dead_code", "common_subexpressions", "bucket_collectives", "PASSES"]
 
-_SEEDED = torch.Tag.nondeterministic_seeded
-
 
 def _bases(g: Graph, lids) -> set:
     return {g.locals[x].base for x in lids if x is not None}
@@ -23,11 +21,6 @@ def _observed(g: Graph) -> tuple[set, set]:
     """Locals the caller gets back, and storages that outlive the step (state, inputs)."""
     lids = g.returned()
     return lids, _bases(g, g.bound() | lids)
-
-
-def _random(op: Op) -> bool:
-    tags = getattr(op.fn, "tags", ())
-    return _SEEDED in tags
 
 
 def _shared(op: Op, w) -> bool:
@@ -47,7 +40,7 @@ def dead_code(g: Graph) -> int:
         live = (
             any(x in need for x in op.out_ids)
             or any(g.locals[x].base in bases for x in op.writes)
-            or _random(op)  # the random stream must advance as in eager
+            or op.random  # the random stream must advance as in eager
             or _shared(op, w)
         )
         if live:
@@ -86,7 +79,7 @@ def common_subexpressions(g: Graph) -> int:
         for x in op.writes:
             for key in by_base.pop(g.locals[x].base, ()):
                 seen.pop(key, None)
-        pure = (op.kind in ("call", "host") and not op.writes and not _random(op) and op.out_ids
+        pure = (op.kind in ("call", "host") and not op.writes and not op.random and op.out_ids
                 and not any(g.locals[x].base in written or x in observed for x in op.out_ids))
         if not pure:
             return True

@@ -110,6 +110,7 @@ class Actor:
     busy: bool = False
     order: Order | None = None  # the device order this actor's firings follow, if any
     phase: str = ""  # as the timeline shows it
+    draws: bool = False  # host work that draws random numbers (or sets the generator's state)
 
 
 class Runtime:
@@ -147,6 +148,9 @@ class Runtime:
         for a in self._actors:
             th = a.task.thread
             a.inbox = inbox[th] if th.kind == "dev" else self._mine if th.kind == "host" else _queue(th.name, False)
+        for a in self._actors:
+            a.draws = a.task.kind == "host" and any(op.random for op in a.task.ops)
+        self._draw_from = None  # (actor, piece) -> the generators' states its firing draws from
         self._sim = None  # simulating: thread name -> firings ready to start
         self._run_id = 0  # firings queued for an earlier (failed) run are dropped
         self._running = 0  # firings being run now
@@ -193,6 +197,8 @@ class Runtime:
         self._results = [dict() for _ in range(pieces)]
         self._error = None
         self.timeline = []
+        self._draw_from = None
+        drawn = self._replay_draws() if pieces > 1 and any(a.draws for a in self._actors) else None
         self._t0 = time.perf_counter()
         switch = sys.getswitchinterval()
         sys.setswitchinterval(_SWITCH)  # hand the GIL between actor threads often, so that they overlap
@@ -214,10 +220,52 @@ class Runtime:
                 self._drain()
             err, self._error = self._error, None
             raise err
+        if drawn is not None:  # the generators end where the pieces drawn one after another leave them
+            _set_states(drawn)
         final = {}
         for r in self._results:
             final.update(r)
         return self._results, final
+
+    def _replay_draws(self) -> list:
+        """Random numbers drawn by several pieces follow piece order, whatever order the schedule
+        fires their host work in: each piece draws what it would draw if the pieces ran one after
+        another (piece 0's forward and backward, then piece 1's: gradient accumulation on one
+        device). The host work of every piece is replayed here in that order, before the run,
+        keeping only the generators' states where each drawing firing starts (its draws are freed);
+        the firing starts from that state. Returns the states the replay ended in."""
+        per_piece, static = self._per_piece, self._static
+        hosts = [a for a in self._actors if a.task.kind == "host"]
+        host_ids = {id(a) for a in hosts}
+        for a in hosts:
+            for src in a.sources:
+                if type(src) is not Bound and id(src.actor) not in host_ids:
+                    raise RuntimeError(f"shoal runtime: host work {a.task.name} reads what {src.actor.task.name} "
+                                       "makes on a device; its random draws cannot be replayed in piece order")
+        copies: dict = {}  # bound tensors host work writes in place: the replay writes copies
+
+        def bound(lid, k):
+            t = per_piece[k][lid] if per_piece is not None and lid in per_piece[k] else static[lid]
+            if self.plan.graph.locals[lid].base not in self.plan.written:
+                return t
+            if id(t) not in copies:
+                copies[id(t)] = t.clone()
+            return copies[id(t)]
+
+        self._draw_from = {}
+        last: dict = {}
+        with torch.no_grad():
+            for k in range(self._pieces):
+                made: dict = {}
+                for a in hosts:
+                    ins = [made[id(src.actor)][src.index] if type(src) is FromTask
+                           else last[id(src.actor)][src.index] if type(src) is Carried and k > 0
+                           else bound(src.lid, k) for src in a.sources]
+                    if a.draws:
+                        self._draw_from[a, k] = _get_states()
+                    made[id(a)] = a.task.run(ins)
+                last = made
+        return _get_states()
 
     def _run_all(self) -> None:
         with self._lock:
@@ -316,6 +364,8 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             ins = self._inputs(a, k)
+            if a.draws and self._draw_from is not None:
+                _set_states(self._draw_from[a, k])
             outs = a.task.run(ins)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             with self._lock:
@@ -451,6 +501,25 @@ def _queue(name: str, compute: bool) -> queue.SimpleQueue:
             ready.wait()
             torch.set_num_threads(n)  # the process-wide default is the caller's again
         return q
+
+
+def _generators() -> list:
+    """The generators host work draws from: the CPU's, and the GPU's of the device it draws on."""
+    w = world()
+    dev = w.torch_device(w.local_devices[0])
+    out = [torch.random.default_generator]
+    if dev.type == "cuda":
+        out.append(torch.cuda.default_generators[dev.index or 0])
+    return out
+
+
+def _get_states() -> list:
+    return [g.get_state() for g in _generators()]
+
+
+def _set_states(states: list) -> None:
+    for g, s in zip(_generators(), states):
+        g.set_state(s)
 
 
 def _cores() -> int:
