@@ -38,11 +38,14 @@ def dropout_gpt():
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("kind", ["dp", "zero3"])
-def test_recomputed_dropout_draws_the_same_masks(kind, compiled):
+@pytest.mark.parametrize("kind,pattern", [("dp", "blocks.*"), ("zero3", "blocks.*"), ("dp", "blocks.*.attn.core"),
+                                          ("tp", "blocks.*.attn.core")])
+def test_recomputed_dropout_draws_the_same_masks(kind, pattern, compiled):
     """Three steps with dropout against one device without checkpointing, seeded once: the
     recomputation in backward must draw what the forward drew (or the gradients belong to other
-    masks than the loss) and leave the generator where the forward left it."""
+    masks than the loss) and leave the generator where the forward left it. ``blocks.*.attn.core``
+    recomputes attention's core alone (selective recomputation, ``recompute=selective``), its
+    dropout on the attention weights included."""
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(32, (8, 16), generator=g), torch.randint(32, (8, 16), generator=g)) for _ in range(3)]
     ref = dropout_gpt()
@@ -51,7 +54,7 @@ def test_recomputed_dropout_draws_the_same_masks(kind, compiled):
     want = [gpt_step(ref, ref_opt, x, y).item() for x, y in data]
     mesh = mesh_for(kind)
     model = shoal.distribute_module(dropout_gpt(), mesh, dataclasses.replace(gpt.plans(mesh, kind),
-                                                                             checkpoint=["blocks.*"]))
+                                                                             checkpoint=[pattern]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = shoal.compile(gpt_step) if compiled else gpt_step
     torch.manual_seed(1)

@@ -23,7 +23,9 @@ from ..sbp import Broadcast
 __all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "check"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
+# the modules each recomputation checkpoints (``Plan(checkpoint=...)``)
+CHECKPOINTED = {"none": (), "selective": ("blocks.*.attn.core",), "full": ("blocks.*",)}
 PRECISIONS = ("bf16", "fp16", "fp32")
 _SHORT = {"mb": "micro_batch", "sp": "sequence_parallel", "v": "virtual_stages"}  # --plan key -> field
 _LONG = {v: k for k, v in _SHORT.items()}
@@ -33,8 +35,9 @@ _LONG = {v: k for k, v in _SHORT.items()}
 class Parallel:
     """Tensor (``tp``), pipeline (``pp``) and data (``dp``) parallel degrees; ``micro_batch``
     sequences per micro-batch; the pipeline ``schedule`` with ``virtual_stages`` per device
-    (interleaved); ZeRO stage ``zero``; ``recompute`` "none" or "full" (every layer's activations
-    recomputed in backward); ``sequence_parallel`` (the replicated parts of a layer split over tp);
+    (interleaved); ZeRO stage ``zero``; ``recompute`` "none", "selective" (attention's core
+    recomputed in backward: Megatron-LM's selective recomputation) or "full" (every layer's
+    activations recomputed in backward); ``sequence_parallel`` (the replicated parts of a layer split over tp);
     ``precision`` of parameters and compute. None: not chosen (searched, or a default)."""
 
     tp: int | None = None
@@ -148,7 +151,7 @@ class Parallel:
                                      f"needs the model; pass to_plan(mesh, model=...)")
                 stages = balance(model, cfg.pp * cfg.virtual_stages, cost="params")
             plan = inner.staged(stages)
-        plan = dataclasses.replace(plan, checkpoint=("blocks.*",) if cfg.recompute == "full" else (),
+        plan = dataclasses.replace(plan, checkpoint=CHECKPOINTED[cfg.recompute],
                                    precision=None if cfg.precision == "fp32" else cfg.precision,
                                    zero=cfg.zero if cfg.dp > 1 else 0)
         micro_batches = batch // (cfg.dp * cfg.micro_batch) if batch else 2 * cfg.pp if cfg.pp > 1 else 1

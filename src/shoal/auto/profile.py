@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..models import gpt
+from ..models.layers import Core
 from ..sbp import Split
 
 __all__ = ["OpCost", "Profile", "profile", "tp_modules", "gpt_config", "op_cost"]
@@ -52,18 +53,25 @@ class OpCost:
     gemm: tuple[int, int, int, int] | None
     out_bytes: float = 0.0
     view: bool = False  # a view op: no kernel, only the host's call (``Cluster.view_overhead``)
+    core: bool = False  # in attention's core (``layers.Core``): what selective recomputation runs again
 
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """A micro-batch's ops, and the bytes one layer saves for backward (``saved_split``: of tensors
-    tensor parallelism splits; ``saved_other``: of the rest, which sequence parallelism splits)."""
+    """A micro-batch's ops, and the bytes one layer saves for backward, each storage once and no
+    parameter (``saved_split``: of tensors tensor parallelism splits; ``saved_gathered``: the inputs
+    column-parallel layers save, whole on every tp device, all-gathered under sequence parallelism
+    too; ``saved_other``: of the rest, which sequence parallelism splits; ``saved_core``: the
+    attention core's part of ``saved_split``)."""
 
     ops: tuple[OpCost, ...]
     tokens: int
     saved_split: float
     saved_other: float
     head_saved: float
+    saved_gathered: float  # what column-parallel layers save (their input): whole on every tp device
+    saved_core: float  # of ``saved_split``: what attention's core saves (its scores among it)
+    core_inputs: float  # what selective recomputation saves in its place: the core's inputs q, k, v
     block_params: int
     embed_params: int
     head_params: int
@@ -83,12 +91,14 @@ def gpt_config(model: nn.Module) -> gpt.GPTConfig:
     return cfg
 
 
-def tp_modules(model: nn.Module) -> tuple[set[str], set[str], set[str]]:
+def tp_modules(model: nn.Module) -> tuple[set[str], set[str], set[str], set[str]]:
     """From the model's own "tp" plan: (modules whose ops tensor parallelism splits, the row-parallel
-    ones among them, the regions). Split: modules owning a split parameter, and regions: modules all
-    of whose parameter-owning children are split (the attention core between q/k/v and the output
-    projection, the MLP's activation). Row-parallel modules (weight split on its input features) end
-    a region with a partial sum: an all-reduce in forward; a region's input gradient is one in backward."""
+    ones among them, the regions, the column-parallel ones). Split: modules owning a split
+    parameter, and regions: modules all of whose parameter-owning children are split (the attention
+    between q/k/v and the output projection, the MLP's activation), and attention's core
+    (``layers.Core``) inside one.
+    Row-parallel modules (weight split on its input features) end a region with a partial sum: an
+    all-reduce in forward; a region's input gradient is one in backward."""
     plan = gpt.plans((2,), "tp")
     layouts = {n: _layout(plan.params, n) for n, _ in model.named_parameters()}
     owners = {n.rpartition(".")[0] for n, lay in layouts.items() if any(isinstance(s, Split) for s in lay)}
@@ -98,7 +108,9 @@ def tp_modules(model: nn.Module) -> tuple[set[str], set[str], set[str]]:
         kids = [f"{name}.{k}" if name else k for k, c in mod.named_children() if any(True for _ in c.parameters())]
         if kids and not any(True for _ in mod.parameters(recurse=False)) and all(k in owners for k in kids):
             regions.add(name)
-    return owners | regions, rows, regions
+    cores = {name for name, mod in model.named_modules()
+             if isinstance(mod, Core) and name.rpartition(".")[0] in regions}
+    return owners | regions | cores, rows, regions, owners - rows
 
 
 def _layout(patterns, name: str) -> tuple:
@@ -149,6 +161,11 @@ class _Ops(TorchDispatchMode):
     def nbytes(self, t: torch.Tensor) -> float:
         return t.numel() * (self.size if t.is_floating_point() else t.element_size())
 
+    def storage_bytes(self, t: torch.Tensor) -> float:
+        """Bytes of the storage under ``t`` (a view's whole base), counted as ``nbytes`` counts."""
+        return t.untyped_storage().nbytes() // t.element_size() * (self.size if t.is_floating_point()
+                                                                    else t.element_size())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -194,25 +211,41 @@ def op_cost(func, args, kwargs, out, nbytes=lambda t: t.numel() * t.element_size
 def _profile(cfg: gpt.GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype) -> Profile:
     with torch.device("meta"):
         model = gpt.GPT(dataclasses.replace(cfg, n_layer=1)).to(dtype)
-    split, rows, regions = tp_modules(model)
+    split, rows, regions, cols = tp_modules(model)
+    cores = {name for name, mod in model.named_modules() if isinstance(mod, Core)}
     state: dict = {"stack": [""], "where": "", "backward": False}
+
+    saved: dict[str, float] = {}
+    ops = _Ops(state, dtype)
+
+    def enter(name: str, args) -> None:
+        state["stack"].append(name)
+        if name in cores and not state["backward"]:  # what selective recomputation keeps: the core's inputs
+            saved["core inputs"] = saved.get("core inputs", 0.0) + sum(ops.storage_bytes(a) for a in args)
 
     def leave(mod, args, out) -> None:
         state["stack"].pop()
 
     handles = []
     for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(lambda m, a, name=name: state["stack"].append(name) or None))
+        handles.append(mod.register_forward_pre_hook(lambda m, a, name=name: enter(name, a)))
         handles.append(mod.register_forward_hook(leave))
-    saved: dict[str, float] = {}
-    ops = _Ops(state, dtype)
+
+    # what backward keeps: each storage once (x saved by q, k and v is one tensor), parameters not
+    # (a weight saved for its input's gradient is held anyway)
+    held = {p.untyped_storage()._cdata for p in model.parameters()}
 
     def pack(t):
-        if state["backward"]:
+        st = t.untyped_storage()._cdata
+        if state["backward"] or st in held:
             return t
+        held.add(st)
         where = state["stack"][-1]
-        key = "split" if where in split else "block" if where.startswith("blocks.") else "head"
-        saved[key] = saved.get(key, 0.0) + ops.nbytes(t)
+        key = ("head" if not where.startswith("blocks.") else "gathered" if where in cols else "split" if where in split
+               else "block")
+        saved[key] = saved.get(key, 0.0) + ops.storage_bytes(t)
+        if where in cores:
+            saved["core"] = saved.get("core", 0.0) + ops.storage_bytes(t)
         return t
 
     idx = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
@@ -227,12 +260,15 @@ def _profile(cfg: gpt.GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype)
         return "block" if where.startswith("blocks.") else "embed" if where.endswith("_emb") or where == "drop" \
             else "head"
 
-    costs = tuple(OpCost(n, ph, place(w), w in split, f, b, g, o) for n, ph, w, f, b, g, o in ops.ops)
+    costs = tuple(OpCost(n, ph, place(w), w in split, f, b, g, o, core=w in cores)
+                  for n, ph, w, f, b, g, o in ops.ops)
     where = [(place(n.rpartition(".")[0]), p) for n, p in model.named_parameters()]
     params = {k: sum(p.numel() for w, p in where if w == k) for k in ("block", "embed", "head")}
     block_tensors = sum(w == "block" for w, _ in where)
     return Profile(costs, micro_batch * seq, saved.get("split", 0.0), saved.get("block", 0.0),
-                   saved.get("head", 0.0), params["block"], params["embed"], params["head"],
+                   saved.get("head", 0.0), saved.get("gathered", 0.0), saved.get("core", 0.0),
+                   saved.get("core inputs", 0.0),
+                   params["block"], params["embed"], params["head"],
                    allreduces_forward=sum(r.startswith("blocks.") for r in rows),
                    allreduces_backward=sum(r.startswith("blocks.") for r in regions),
                    block_tensors=block_tensors, other_tensors=len(where) - block_tensors,

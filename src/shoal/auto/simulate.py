@@ -163,6 +163,11 @@ class _Layer:
     forward: float
     backward: float
     weight_grad: float
+    core: float = 0.0  # of ``forward``: attention's core (what selective recomputation runs again)
+
+    def again(self, recompute: str) -> float:
+        """Seconds of the forward that backward runs again under ``recompute``."""
+        return self.forward if recompute == "full" else self.core if recompute == "selective" else 0.0
 
 
 def _op_seconds(op: OpCost, cluster: Cluster, peak: float, tp: int, sp: bool, tokens: int,
@@ -213,19 +218,21 @@ def _program_seconds(ops, cluster: Cluster, peak: float) -> float:
 
 
 def _phase_seconds(prof: Profile, where: str, cluster: Cluster, peak: float, tp: int, sp: bool) -> _Layer:
-    t = {"F": 0.0, "B": 0.0, "W": 0.0}
+    t = {"F": 0.0, "B": 0.0, "W": 0.0, "core": 0.0}
     prev = None
     for op in prof.ops:
         if op.where == where:
             s = _op_seconds(op, cluster, peak, tp, sp, prof.tokens, prev)
             prev = op
             t[op.phase] += s
+            if op.core and op.phase == "F":
+                t["core"] += s
             if op.phase == "B" and op.gemm is not None and op.gemm[0] == 1:
                 t["W"] += s / 2  # a linear's backward: input gradient and weight gradient, equal GEMMs
     for phase, w, k in prof.views:
         if w == where:
             t[phase] += k * cluster.view_overhead
-    return _Layer(t["F"], t["B"], t["W"])
+    return _Layer(t["F"], t["B"], t["W"], t["core"])
 
 
 def _traced(layer: _Layer, embed: _Layer, head: _Layer, mcfg, cluster: Cluster, c: Parallel, seq: int,
@@ -236,12 +243,11 @@ def _traced(layer: _Layer, embed: _Layer, head: _Layer, mcfg, cluster: Cluster, 
     dispatch's copies and slices and the shards' real shapes included."""
     counted = census(mcfg, c.tp, c.micro_batch, seq, c.recompute, c.precision, c.sequence_parallel)
     t_layer, t_ends = counted.compute(lambda ops: _program_seconds(ops, cluster, peak))
-    again = layer.forward if c.recompute == "full" else 0.0  # the traced step recomputes; the phases do not
-    s = t_layer / (layer.forward + layer.backward + again)
+    s = t_layer / (layer.forward + layer.backward + layer.again(c.recompute))  # the traced step recomputes
     e = t_ends / (embed.forward + embed.backward + head.forward + head.backward)
 
     def scaled(x: _Layer, f: float) -> _Layer:
-        return _Layer(x.forward * f, x.backward * f, x.weight_grad * f)
+        return _Layer(x.forward * f, x.backward * f, x.weight_grad * f, x.core * f)
 
     return scaled(layer, s), scaled(embed, e), scaled(head, e)
 
@@ -274,11 +280,11 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     if cluster.traced_kernels:  # the kernels of the step shoal compiles for the plan
         layer, embed, head = _traced(layer, embed, head, mcfg, cluster, c, seq, peak)
     act = prof.tokens * mcfg.n_embd * _DTYPE_BYTES[c.precision]  # one layer's output, a micro-batch
-    recompute = c.recompute == "full"
+    again = layer.again(c.recompute)
     layers = mcfg.n_layer // c.pp
     tp_comm, traced = _tp_seconds(prof, mcfg, cluster, c, seq, act, layers)  # a micro-batch through a stage
     fwd = layers * layer.forward
-    bwd = layers * (layer.backward + (layer.forward if recompute else 0.0))
+    bwd = layers * (layer.backward + again)
     stage_compute = fwd + bwd + max(embed.forward + embed.backward, head.forward + head.backward)
     p2p = 0.0
     if c.pp > 1:  # each micro-batch crosses v stage boundaries per device each way, 1/tp per device (split
@@ -288,7 +294,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
         p2p = 2 * c.virtual_stages * (cluster.send_recv(act / c.tp, across) + gather)
     stage = stage_compute + tp_comm + p2p  # one micro-batch through the slowest stage
     if clock and c.pp > 1:  # the schedule's orders on the virtual clock, the stages as they differ
-        pipeline, stage_compute, stage = _clocked(c, m, layers, layer, embed, head, tp_comm, p2p, recompute)
+        pipeline, stage_compute, stage = _clocked(c, m, layers, layer, embed, head, tp_comm, p2p, again)
     else:  # the closed form: equal stages, each as slow as the slowest
         w_share = layers * layer.weight_grad / stage if stage else 0.0
         frac = bubble_fraction(c.schedule, c.pp, m, c.virtual_stages, w_share)
@@ -306,7 +312,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
         else:  # all-reduced in buckets, as shoal buckets them
             calls = max(1, math.ceil(params * g_bytes / cluster.bucket_bytes))
             reduce = calls * cluster.all_reduce(params * g_bytes / calls, c.dp, c.tp)
-        overlap = layers * (layer.backward + (layer.forward if recompute else 0.0))  # the last micro-batch's
+        overlap = layers * (layer.backward + again)  # the last micro-batch's
         # in one process a collective's latency is the devices' threads handing over under one lock:
         # host time that no device's computation hides; only its sums and copies overlap
         link = cluster.links[0]
@@ -315,9 +321,10 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
         if c.zero in (1, 2):  # each updated parameter gathered on its own, after its update: not hidden
             dp_time += tensors * cluster.all_gather(params * w_bytes / tensors, c.dp, c.tp)
         if c.zero == 3:  # each unit's weights (a block's, the rest's) gathered for every forward (and
-            # recomputation) and backward, per micro-batch
+            # full recomputation) and backward, per micro-batch (attention's core holds no weights)
             units = layers + 1
-            dp_time += m * (3 if recompute else 2) * units * cluster.all_gather(params * w_bytes / units, c.dp, c.tp)
+            gathers = 3 if c.recompute == "full" else 2
+            dp_time += m * gathers * units * cluster.all_gather(params * w_bytes / units, c.dp, c.tp)
     update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm \
         + _ADAM_KERNELS * cluster.op_overhead
     step = pipeline + dp_time + update
@@ -342,16 +349,17 @@ def _orders(name: str, p: int, m: int, v: int) -> schedules.Orders:
 
 
 def _clocked(c: Parallel, m: int, layers: int, layer: _Layer, embed: _Layer, head: _Layer, tp_comm: float,
-             p2p: float, recompute: bool) -> tuple[float, float, float]:
+             p2p: float, again: float) -> tuple[float, float, float]:
     """(makespan, compute, busy) of ``m`` micro-batches through the pipeline of resolved ``c`` on the
     virtual clock (``runtime.schedules``: the orders the runtime fires), compute and busy being the
     busiest device's per micro-batch. Each of the ``pp x v`` model stages runs its ``layers / v``
     layers, the first the embedding too, the last the head and loss; each takes 1/v of a device's
     tp collectives (split between forward and backward as its compute is) and sends its activations
-    forward and their gradient back (``p2p`` is a device's per micro-batch)."""
+    forward and their gradient back (``p2p`` is a device's per micro-batch); backward runs ``again``
+    seconds of a layer's forward again (recomputation)."""
     v, chunks = c.virtual_stages, c.pp * c.virtual_stages
     per = layers / v
-    tp_f = layer.forward / (layer.forward + layer.backward + (layer.forward if recompute else 0.0))
+    tp_f = layer.forward / (layer.forward + layer.backward + again)
     send = p2p / (2 * v)
 
     def compute(kind: str, stage: int) -> float:
@@ -360,7 +368,7 @@ def _clocked(c: Parallel, m: int, layers: int, layer: _Layer, embed: _Layer, hea
             return per * layer.forward + first * embed.forward + last * head.forward
         if kind == "W":
             return per * layer.weight_grad
-        return (per * (layer.backward - layer.weight_grad + (layer.forward if recompute else 0.0))
+        return (per * (layer.backward - layer.weight_grad + again)
                 + first * embed.backward + last * head.backward)
 
     def seconds(kind: str, stage: int) -> float:
@@ -410,12 +418,15 @@ def _memory(prof: Profile, c: Parallel, params: float, layers: int, m: int, sp: 
     out = {"weights": params * w / (dp if c.zero >= 3 else 1),
            "gradients": params * g / (dp if c.zero >= 2 else 1),
            "optimizer state": params * o / (dp if c.zero >= 1 else 1)}
-    replicated = prof.saved_other / (c.tp if sp else 1)
+    replicated = prof.saved_other / (c.tp if sp else 1) + prof.saved_gathered
     per_layer = prof.saved_split / c.tp + replicated
     held = in_flight(c.schedule, c.pp, m, c.virtual_stages)
     if c.recompute == "full":  # each layer keeps its input; one layer's whole activations live in its backward
         kept = act / (c.tp if sp else 1)
         out["activations"] = held * layers * kept + per_layer
+    elif c.recompute == "selective":  # attention's core keeps its inputs q, k, v in place of what it saves
+        kept = per_layer - (prof.saved_core - prof.core_inputs) / c.tp
+        out["activations"] = held * layers * kept + (per_layer - kept)
     else:
         out["activations"] = held * layers * per_layer
     out["logits (last stage)"] = prof.head_saved / c.tp

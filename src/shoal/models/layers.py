@@ -15,7 +15,22 @@ from ..parallel import Plan
 from ..sbp import S
 from . import kinds
 
-__all__ = ["SelfAttention", "MLP", "Block"]
+__all__ = ["Core", "SelfAttention", "MLP", "Block"]
+
+
+class Core(nn.Module):
+    """Attention's core: softmax(q k^T / sqrt(d)) v over heads, with dropout on the weights. A module
+    of its own, without parameters, so that a plan can recompute it alone in backward
+    (``Plan(checkpoint=["blocks.*.attn.core"])``: Megatron-LM's selective recomputation, which keeps
+    the projections' activations and drops the seq x seq scores)."""
+
+    def __init__(self, dropout: float = 0.0, causal: bool = True):
+        super().__init__()
+        self.dropout, self.causal = dropout, causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
 
 
 class SelfAttention(nn.Module):
@@ -23,20 +38,20 @@ class SelfAttention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
-        self.n_head, self.dropout, self.causal = n_head, dropout, causal
+        self.n_head = n_head
         self.q = nn.Linear(n_embd, n_embd, bias=bias)
         # no key bias: it shifts every score of a query by the same amount, which softmax ignores, so its
         # gradient is zero and an optimizer that normalizes gradients (Adam) would only chase rounding noise
         self.k = nn.Linear(n_embd, n_embd, bias=False)
         self.v = nn.Linear(n_embd, n_embd, bias=bias)
+        self.core = Core(dropout, causal)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (lin(x).view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        y = self.core(q, k, v)
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
 
 
