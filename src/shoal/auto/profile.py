@@ -59,9 +59,8 @@ class OpCost:
 @dataclass(frozen=True, slots=True)
 class Profile:
     """A micro-batch's ops, and the bytes one layer saves for backward, each storage once and no
-    parameter (``saved_split``: of tensors tensor parallelism splits; ``saved_gathered``: the inputs
-    column-parallel layers save, whole on every tp device, all-gathered under sequence parallelism
-    too; ``saved_other``: of the rest, which sequence parallelism splits; ``saved_core``: the
+    parameter (``saved_split``: of tensors tensor parallelism splits; ``saved_other``: of the rest,
+    which sequence parallelism splits, column-parallel layers' inputs among them; ``saved_core``: the
     attention core's part of ``saved_split``)."""
 
     ops: tuple[OpCost, ...]
@@ -69,7 +68,6 @@ class Profile:
     saved_split: float
     saved_other: float
     head_saved: float
-    saved_gathered: float  # what column-parallel layers save (their input): whole on every tp device
     saved_core: float  # of ``saved_split``: what attention's core saves (its scores among it)
     core_inputs: float  # what selective recomputation saves in its place: the core's inputs q, k, v
     block_params: int
@@ -241,8 +239,8 @@ def _profile(cfg: gpt.GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype)
             return t
         held.add(st)
         where = state["stack"][-1]
-        key = ("head" if not where.startswith("blocks.") else "gathered" if where in cols else "split" if where in split
-               else "block")
+        # a column-parallel layer's input is whole on every tp device (split under sp: ``Plan.regather``)
+        key = "head" if not where.startswith("blocks.") else "split" if where in split - cols else "block"
         saved[key] = saved.get(key, 0.0) + ops.storage_bytes(t)
         if where in cores:
             saved["core"] = saved.get("core", 0.0) + ops.storage_bytes(t)
@@ -266,7 +264,7 @@ def _profile(cfg: gpt.GPTConfig, micro_batch: int, seq: int, dtype: torch.dtype)
     params = {k: sum(p.numel() for w, p in where if w == k) for k in ("block", "embed", "head")}
     block_tensors = sum(w == "block" for w, _ in where)
     return Profile(costs, micro_batch * seq, saved.get("split", 0.0), saved.get("block", 0.0),
-                   saved.get("head", 0.0), saved.get("gathered", 0.0), saved.get("core", 0.0),
+                   saved.get("head", 0.0), saved.get("core", 0.0),
                    saved.get("core inputs", 0.0),
                    params["block"], params["embed"], params["head"],
                    allreduces_forward=sum(r.startswith("blocks.") for r in rows),

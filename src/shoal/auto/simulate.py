@@ -418,7 +418,7 @@ def _memory(prof: Profile, c: Parallel, params: float, layers: int, m: int, sp: 
     out = {"weights": params * w / (dp if c.zero >= 3 else 1),
            "gradients": params * g / (dp if c.zero >= 2 else 1),
            "optimizer state": params * o / (dp if c.zero >= 1 else 1)}
-    replicated = prof.saved_other / (c.tp if sp else 1) + prof.saved_gathered
+    replicated = prof.saved_other / (c.tp if sp else 1)
     per_layer = prof.saved_split / c.tp + replicated
     held = in_flight(c.schedule, c.pp, m, c.virtual_stages)
     if c.recompute == "full":  # each layer keeps its input; one layer's whole activations live in its backward

@@ -105,7 +105,8 @@ def megatron_plan(mesh: Mesh, kind: str, vocab: tuple[str, ...], heads: tuple[st
     dim instead, so the layer norms, residual adds and dropout between the sub-blocks run on 1/tp of
     the tokens and keep 1/tp of their activations; each attention's, MLP's and ``heads``' (the
     column-parallel layers after the blocks) input is all-gathered whole. The same bytes cross the
-    links as with the all-reduces."""
+    links as with the all-reduces. Those inputs are kept split for backward and gathered again there
+    (``Plan.regather``), as Megatron-LM keeps them: 1/tp of their memory for one more all-gather each."""
     ax = kinds.axes(mesh, kind)
     whole = ax.layout(dp=S(0))
     if sequence_parallel and ax.tp is None:
@@ -121,7 +122,8 @@ def megatron_plan(mesh: Mesh, kind: str, vocab: tuple[str, ...], heads: tuple[st
         outputs = {name: between for name in (*subs, "tok_emb")}
         if sequence_parallel:
             inputs.update({name: whole for name in (*subs, *heads)})
-    return Plan(params=params, inputs=inputs, outputs=outputs, zero=kinds.ZERO.get(kind, 0))
+    regather = (*subs, *heads) if sequence_parallel else ()
+    return Plan(params=params, inputs=inputs, outputs=outputs, zero=kinds.ZERO.get(kind, 0), regather=regather)
 
 
 def init_weights(m: nn.Module) -> None:

@@ -22,7 +22,7 @@ from ..tensor import GlobalTensor, onto_mesh_of, to_global
 from .balance import balance, describe, unit_costs
 from .memory import install_zero, memory_per_device, memory_report, shard_optimizer_state, zero_layout
 from .precision import Precision, install_precision, loss_scale
-from .recompute import install_checkpointing
+from .recompute import install_checkpointing, install_regathering
 from .reducer import GradReducer
 
 __all__ = ["Plan", "Stages", "pipeline_stages", "balance", "distribute_module", "shard_optimizer_state",
@@ -56,17 +56,20 @@ class Plan:
     zero_unit: Sequence[str] = ()
     precision: object = None  # None (the module's dtypes), "bf16", "fp16" or a Precision
     checkpoint: Sequence[str] = ()  # module name patterns whose activations are recomputed in backward
+    # module name patterns whose input pins gather: what they save of it is kept split, gathered again
+    # in backward (``parallel.recompute``: Megatron-LM's sequence parallelism)
+    regather: Sequence[str] = ()
 
     def staged(self, stages: Mapping[str, int] | str) -> Plan:
         """A plan for the whole mesh with a stage axis in front, from this one written for one stage's
         sub-mesh: its parameter layouts and its submodules' output layouts (they name the other axes),
-        the module's batch Broadcast over the stage axis, its submodules' input layouts, and ``stages``;
-        nothing else is carried."""
+        the module's batch Broadcast over the stage axis, its submodules' input layouts (regathered
+        as this plan regathers them), and ``stages``; nothing else is carried."""
         batch = self.inputs.get("", ())
         inputs = {k: v for k, v in self.inputs.items() if k}
         return Plan(params=self.params,
                     inputs={"": (Broadcast(), *(batch if isinstance(batch, tuple) else (batch,))), **inputs},
-                    outputs={k: v for k, v in self.outputs.items() if k}, stages=stages)
+                    outputs={k: v for k, v in self.outputs.items() if k}, stages=stages, regather=self.regather)
 
 
 def distribute_module(
@@ -125,9 +128,11 @@ def distribute_module(
     def on(sub: str) -> Mesh:  # under stages: the submodule's stage's sub-mesh
         return mesh if staged is None or not sub else staged.mesh_of(sub)
 
-    for name, layout in plan.inputs.items():
-        for sub in _subs(modules, name, "inputs"):
-            modules[sub].register_forward_pre_hook(_relayout_hook(on(sub), layout, f"inputs of {sub!r}"))
+    pins = {sub: _relayout_fn(on(sub), layout, f"inputs of {sub!r}")
+            for name, layout in plan.inputs.items() for sub in _subs(modules, name, "inputs")}
+    install_regathering(module, plan.regather, pins)  # these pins run inside the forward they wrap
+    for sub, pin in pins.items():
+        modules[sub].register_forward_pre_hook(lambda mod, args, pin=pin: pin(tuple(args)))
     for name, layout in plan.outputs.items():
         for sub in _subs(modules, name, "outputs"):
             modules[sub].register_forward_hook(_output_hook(on(sub), layout, f"outputs of {sub!r}"))
@@ -405,11 +410,6 @@ def _relayout_fn(mesh: Mesh, layout, what: str):
         return obj
 
     return apply
-
-
-def _relayout_hook(mesh: Mesh, layout, what: str):
-    f = _relayout_fn(mesh, layout, what)
-    return lambda mod, args: f(tuple(args))
 
 
 def _output_hook(mesh: Mesh, layout, what: str):

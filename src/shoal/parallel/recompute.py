@@ -1,4 +1,5 @@
-"""Activation checkpointing from the plan: ``Plan(checkpoint=["blocks.*"])``.
+"""Activations recomputed in backward from the plan: ``Plan(checkpoint=["blocks.*"])`` and
+``Plan(regather=["blocks.*.attn"])``.
 
 The named modules (the outermost a pattern matches) keep no activations for backward: their
 forward runs under torch's own non-reentrant checkpoint, which saves the inputs and runs the
@@ -10,6 +11,13 @@ norm in training recomputes with its batch's statistics, and its running ones ar
 parameters as its unit's forward hooks did (it runs outside them), so it sees the layouts the first
 forward saw. In graph mode the recomputation is traced into the backward, and the planned peak
 shows what it saves.
+
+Regathering (Megatron-LM's sequence parallelism keeps activations this way): a module whose input
+pin gathers its input (split over some mesh axis before, Broadcast there after) keeps what its
+forward saves of the gathered input as the split input, and gathers it again when backward reads
+it: the column-parallel layers after a sequence-parallel region hold 1/tp of their input between
+forward and backward, for one more all-gather each in backward. An all-gather is exact, so the
+values are those of the first gather.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from torch import nn
 
 from .memory import gathered
 
-__all__ = ["install_checkpointing", "checkpointed"]
+__all__ = ["install_checkpointing", "checkpointed", "install_regathering"]
 
 
 def install_checkpointing(module: nn.Module, patterns: Sequence[str]) -> list[str]:
@@ -50,6 +58,107 @@ def install_checkpointing(module: nn.Module, patterns: Sequence[str]) -> list[st
         m = mods[name]
         m.forward = functools.partial(checkpointed, m, m.forward)
     return chosen
+
+
+def install_regathering(module: nn.Module, patterns: Sequence[str], pins: dict) -> list[str]:
+    """For each submodule of ``module`` whose name matches ``patterns`` (not inside, nor itself, a
+    checkpointed one: that keeps no activations anyway), its input pin (``pins``: name -> the function
+    laying out its inputs, run here instead of as a hook) and regathering around its forward; returns
+    the names."""
+    mods = dict(module.named_modules())
+    done = []
+    for name in [n for n in mods if any(fnmatch.fnmatchcase(n, p) for p in patterns)]:
+        if name not in pins:
+            raise ValueError(f"Plan(regather=...): {name!r} has no input pin (Plan.inputs) to gather its input; "
+                             "name submodules whose inputs the plan lays out")
+        if any(_is_checkpointed(mods[n]) for n in mods if n and (name == n or name.startswith(n + "."))):
+            continue
+        m = mods[name]
+        m.forward = functools.partial(_regathered, m.forward, pins.pop(name))
+        done.append(name)
+    return done
+
+
+def _is_checkpointed(m: nn.Module) -> bool:
+    f = m.__dict__.get("forward")
+    return isinstance(f, functools.partial) and f.func is checkpointed
+
+
+class _Gathered:
+    """A gathered input, kept as the split tensor it was gathered from (``source``) and gathered again
+    once for all the saved views of it that backward reads (``left`` of them not read yet)."""
+
+    __slots__ = ("source", "mesh", "sbp", "left", "full")
+
+    def __init__(self, source, mesh, sbp) -> None:
+        self.source, self.mesh, self.sbp, self.left, self.full = source, mesh, sbp, 0, None
+
+    def view(self, shape):
+        if torch.is_grad_enabled():  # a backward that builds a graph (create_graph): gathered with grad
+            return self.source.to_global(self.mesh, self.sbp).view(shape)
+        if self.full is None:
+            with torch.no_grad():
+                self.full = self.source.detach().to_global(self.mesh, self.sbp)
+        out = self.full.view(shape)
+        self.left -= 1
+        if self.left <= 0:
+            self.full = None
+        return out
+
+
+class _Regather:
+    """A saved tensor kept as a view of a ``_Gathered`` input: that input and the view's shape."""
+
+    __slots__ = ("input", "shape")
+
+    def __init__(self, input: _Gathered, shape) -> None:
+        self.input, self.shape = input, shape
+
+
+def _regathered(forward, pin, *args, **kwargs):
+    from ..tensor import GlobalTensor
+
+    laid = pin(tuple(args))
+    gathered = {}
+    for before, after in zip(args, laid):
+        if isinstance(before, GlobalTensor) and isinstance(after, GlobalTensor) and _gathers(before, after):
+            key = _first_storage(after)
+            if key is not None:
+                gathered[key] = (_Gathered(before, after.mesh, after.sbp), after.numel())
+    if not gathered or not torch.is_grad_enabled():
+        return forward(*laid, **kwargs)
+
+    def pack(t):
+        hit = gathered.get(_first_storage(t)) if isinstance(t, GlobalTensor) else None
+        if hit is None or t.numel() != hit[1] or not _whole(t):
+            return t
+        hit[0].left += 1
+        return _Regather(hit[0], tuple(t.shape))
+
+    def unpack(x):
+        return x.input.view(x.shape) if isinstance(x, _Regather) else x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return forward(*laid, **kwargs)
+
+
+def _gathers(before, after) -> bool:
+    """``after`` is ``before`` gathered: the same mesh, Broadcast where ``before`` is split."""
+    from ..sbp import Broadcast, Split
+
+    return before.mesh == after.mesh and any(isinstance(b, Split) and isinstance(a, Broadcast)
+                                             for b, a in zip(before.sbp, after.sbp))
+
+
+def _first_storage(t):
+    """(storage, offset) of a GlobalTensor's first local shard, None without one."""
+    s = next((x for x in t._shards if x is not None), None)
+    return None if s is None else (s.untyped_storage()._cdata, s.storage_offset())
+
+
+def _whole(t) -> bool:
+    """Each local shard of ``t`` is contiguous: a reshape of the gathered tensor it shares storage with."""
+    return all(s is None or s.is_contiguous() for s in t._shards)
 
 
 def checkpointed(module: nn.Module, forward, *args, **kwargs):
