@@ -101,6 +101,24 @@ def test_a_pattern_matching_nothing_is_an_error():
         shoal.distribute_module(initial("gpt"), mesh, shoal.Plan(checkpoint=["block.*"]))
 
 
+def test_regather_names_pinned_submodules_and_skips_checkpointed_ones():
+    """``Plan.regather`` names submodules whose input pins gather: a pattern matching nothing, or a
+    submodule without an input pin, is an error; inside a checkpointed block it is left off (the
+    block keeps only its input)."""
+    mesh = mesh_for("tp")
+    sp = gpt.plans(mesh, "tp", sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"regather.*'block\.\*\.attn'.*match no submodule"):
+        shoal.distribute_module(initial("gpt"), mesh, dataclasses.replace(sp, regather=["block.*.attn"]))
+    with pytest.raises(ValueError, match=r"regather.*'blocks.0.ln1' has no input pin"):
+        shoal.distribute_module(initial("gpt"), mesh, dataclasses.replace(sp, regather=["blocks.*.ln1"]))
+    regathered = lambda m: [n for n, mod in m.named_modules() if "forward" in mod.__dict__  # noqa: E731
+                            and getattr(mod.forward, "func", None).__name__ == "_regathered"]
+    assert regathered(shoal.distribute_module(initial("gpt"), mesh, sp)) == [
+        "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp", "lm_head"]
+    full = shoal.distribute_module(initial("gpt"), mesh, dataclasses.replace(sp, checkpoint=["blocks.*"]))
+    assert regathered(full) == ["lm_head"]
+
+
 def test_the_recomputation_sees_the_gathered_parameters():
     """ZeRO-3: the recomputation runs outside the units' forward hooks, yet each batch norm's weight is
     gathered (whole) in the first forward and in its recomputation, and split at rest again after both."""

@@ -66,6 +66,10 @@ def install_regathering(module: nn.Module, patterns: Sequence[str], pins: dict) 
     laying out its inputs, run here instead of as a hook) and regathering around its forward; returns
     the names."""
     mods = dict(module.named_modules())
+    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in mods)]
+    if unused:
+        raise ValueError(f"Plan(regather=...): pattern(s) {unused} match no submodule of {type(module).__name__}; "
+                         f"names look like {list(mods)[1:6]}")
     done = []
     for name in [n for n in mods if any(fnmatch.fnmatchcase(n, p) for p in patterns)]:
         if name not in pins:
