@@ -2,9 +2,12 @@
 
 ``simulate(model, cluster, cfg, batch=, seq=)`` prices one representative layer's ops (``profile``)
 on the device, adds tensor-parallel collectives (Megatron-LM's pattern, or on a cluster of this
-process's devices the ones shoal compiles for the plan: ``census``), pipeline send/recv and bubble (closed forms of the
-``runtime.schedules`` orders), the data-parallel gradient reduction (overlapped with the last
-backward) and the optimizer update, and counts memory by kind. ``Estimate`` holds the result.
+process's devices the ones shoal compiles for the plan: ``census``), pipeline send/recv and bubble
+(the ``runtime.schedules`` orders on the virtual clock, or their closed forms), the data-parallel
+gradient reduction (overlapped with the last backward) and the optimizer update, and counts memory
+by kind: states, what each layer keeps for backward under the recomputation chosen (none; selective:
+attention's core run again; full: each block's input only) times the layers in flight, and the
+communication buffers. ``Estimate`` holds the result.
 """
 
 from __future__ import annotations
