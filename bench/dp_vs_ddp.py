@@ -8,14 +8,13 @@ Usage: python bench/dp_vs_ddp.py [--steps N]   (launches itself with `shoal run 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from shoal.launch import on_processes
 
 
 def step_times(model, opt, idx, tgt, steps: int) -> list[float]:
@@ -74,9 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    if "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "shoal.launch", "-n", "2", __file__, "--steps", str(args.steps)]
-        sys.exit(subprocess.call(cmd))
+    on_processes(2)
     worker(args.steps)
 
 

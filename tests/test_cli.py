@@ -188,3 +188,19 @@ def test_checkpoint_patterns_reach_the_plan():
                       sample=0, model_args={"n_layer": 1, "n_embd": 16, "block_size": 8}, checkpoint=("block.*",))
     with pytest.raises(ValueError, match=r"checkpoint.*'block\.\*'.*names look like"):
         train(cfg)
+
+
+def test_a_script_runs_itself_on_processes(monkeypatch):
+    """``shoal.launch.on_processes(n)``: outside torchrun it runs the script again under ``shoal run -n
+    n`` with its arguments and exits with that status; under torchrun (RANK set) it returns."""
+    import shoal.launch as launch
+
+    calls = []
+    monkeypatch.setattr(launch, "main", lambda argv: calls.append(argv) or 3)
+    monkeypatch.setattr(sys, "argv", ["bench/x.py", "--reps", "5"])
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        launch.on_processes(2)
+    assert stop.value.code == 3 and calls == [["-n", "2", "bench/x.py", "--reps", "5"]]
+    monkeypatch.setenv("RANK", "0")
+    assert launch.on_processes(2) is None and len(calls) == 1

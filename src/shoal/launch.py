@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-__all__ = ["main", "build_command"]
+__all__ = ["main", "build_command", "on_processes"]
 
 _PASS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--rdzv-conf", "--max-restarts",
          "--master-addr", "--master-port", "--monitor-interval")
@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None, check: Check | None = None) -> int:
             return 2
     cmd, env = build_command(argv)
     return subprocess.call(cmd, env=env)
+
+
+def on_processes(n: int) -> None:
+    """A script that runs itself on ``n`` processes: outside torchrun, run this script again under
+    ``shoal run -n n`` with the same arguments and exit with its status; under it, return."""
+    if "RANK" not in os.environ:
+        sys.exit(main(["-n", str(n), *sys.argv]))
 
 
 if __name__ == "__main__":

@@ -167,12 +167,33 @@ def all_reduce_start(devices: Sequence[int], shards: Shards, op: str = "sum"):
     return finish
 
 
+def _blocks(devices: Sequence[int], sizes: Sequence[int], shards: Shards) -> bool:
+    """Each process's devices are one run of the group, the processes in rank order, every run as
+    large along the dim, and this process holds the shards of its devices: what one all-gather (or
+    reduce-scatter) of equal blocks concatenates (or splits). Else a collective goes through
+    ``gather_along``'s (or an all-reduce's) general path."""
+    w = world()
+    if any((s is not None) != w.owns(d) for d, s in zip(devices, shards)):
+        return False
+    runs: list = []  # [process, its devices' total size]
+    for d, n in zip(devices, sizes):
+        p = w.process_of(d)
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += n
+        else:
+            runs.append([p, n])
+    procs = [p for p, _ in runs]
+    return procs == sorted(set(procs)) and len({n for _, n in runs}) == 1
+
+
 def _gather_full(devices: Sequence[int], shards: Shards, dim: int, shapes) -> torch.Tensor:
     """The concatenation of the group's shards along ``dim``, on every process of the group."""
     local = [s for s in shards if s is not None]
     if _all_local(shards):
         return torch.cat(_home(local), dim)
     sizes = [s[dim] for s in shapes]
+    if _blocks(devices, sizes, shards):
+        return _dist.all_gather_blocks(torch.cat(_home(local), dim), dim, _ranks(devices))
     shape = list(shapes[0])
     shape[dim] = sum(sizes)
     return _dist.gather_along(_home(local)[0].new_zeros(shape), shards, sizes, dim, _ranks(devices))
@@ -201,9 +222,21 @@ def _scatter(full: torch.Tensor, devices: Sequence[int], dim: int, shards: Shard
 
 @collective
 def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "sum") -> list:
-    total = _reduce_group(devices, shards, op)
-    if total is None:
+    local = [s for s in shards if s is not None]
+    if not local:
         return list(shards)
+    if not _all_local(shards):
+        q, r = divmod(local[0].shape[dim], len(devices))  # each device's part, as ``tensor_split`` cuts
+        parts = [q + (i < r) for i in range(len(devices))]
+        if _blocks(devices, parts, shards):  # this process's partial sum, reduce-scattered into its devices' block
+            partial = _reduce(_home(local), op)
+            record("reduce_scatter", _nbytes(partial))
+            block = _dist.reduce_scatter_blocks(partial, op, dim, _ranks(devices))
+            pieces = iter(torch.split(block, [n for n, s in zip(parts, shards) if s is not None], dim))
+            w = world()
+            return [None if s is None else next(pieces).to(local[0].dtype) if w.device_type == "cpu"
+                    else next(pieces).to(w.torch_device(d), local[0].dtype) for d, s in zip(devices, shards)]
+    total = _reduce_group(devices, shards, op)
     record("reduce_scatter", _nbytes(total))
     return _scatter(total, devices, dim, shards)
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ..world import ALIVE_KEY, FAILED_KEY, HEARTBEAT, world
 
-__all__ = ["all_reduce", "gather_along", "send", "recv", "groups_made", "open_channels"]
+__all__ = ["all_reduce", "gather_along", "all_gather_blocks", "reduce_scatter_blocks", "send", "recv", "groups_made",
+           "open_channels"]
 
 _GROUPS: dict[tuple, object] = {}  # (ranks, channel) -> process group
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -75,6 +76,44 @@ def _all_reduce(t: torch.Tensor, op, ranks: Sequence[int]):
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
     return g.allreduce([t], opts)
+
+
+def all_gather_blocks(block: torch.Tensor, dim: int, ranks: Sequence[int]) -> torch.Tensor:
+    """Every rank's ``block`` (equal shapes) concatenated along ``dim`` in rank order: one all-gather,
+    each rank sending its block once (a ring moves (n-1)/n of the result per rank, half of what
+    ``gather_along``'s all-reduce of a zero-padded whole moves)."""
+    if _nothing_moves(block, ranks):
+        return torch.cat([block] * len(ranks), dim)
+    w = _wire(block).movedim(dim, 0).contiguous()
+    out = w.new_empty((w.shape[0] * len(ranks), *w.shape[1:]))
+    g = _group(tuple(ranks))
+    if g is dist.group.WORLD:
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch renamed it
+        _guarded("all_gather", ranks, lambda: gather(out, w))
+    else:  # a backend group of shoal's own (``_group``): its own methods
+        _guarded("all_gather", ranks, lambda: g._allgather_base(out, w).wait())
+    out = out.movedim(0, dim).contiguous()
+    return out.to(torch.bool) if block.dtype == torch.bool else out
+
+
+def reduce_scatter_blocks(whole: torch.Tensor, op: str, dim: int, ranks: Sequence[int]) -> torch.Tensor:
+    """This rank's block (of ``len(ranks)`` equal ones along ``dim``, in rank order) of the reduction of
+    every rank's ``whole``: one reduce-scatter (half the bytes of an all-reduce of the whole)."""
+    n = len(ranks)
+    if _nothing_moves(whole, ranks):
+        return whole.tensor_split(n, dim)[0] if n > 1 else whole
+    w = _wire(whole).movedim(dim, 0).contiguous()
+    out = w.new_empty((w.shape[0] // n, *w.shape[1:]))
+    g = _group(tuple(ranks))
+    if g is dist.group.WORLD:
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # torch renamed it
+        _guarded("reduce_scatter", ranks, lambda: scatter(out, w, op=_OPS[op]))
+    else:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _OPS[op]
+        _guarded("reduce_scatter", ranks, lambda: g._reduce_scatter_base(out, w, opts).wait())
+    out = out.movedim(0, dim).contiguous()
+    return out.to(torch.bool) if whole.dtype == torch.bool else out
 
 
 def groups_made() -> list[tuple[int, ...]]:

@@ -309,7 +309,8 @@ def _after_step(opt, args, kwargs) -> None:
             scaler.overflowed_last.copy_(found)
             scaler.update(found)
         for p, m in _MASTERS.get(opt, ()):
-            p.copy_(m)  # rounded once, gathered where the master is split
+            # rounded once, then gathered where the master is split: the gather carries the low precision
+            p.copy_(m if m.dtype == p.dtype else m.to(p.dtype))
             m.grad = None
 
 
