@@ -445,18 +445,20 @@ def test_gpt_tp_plan_runs_megatrons_collectives(width, heads, vocab, seq, tp, pr
     parallelism a reduce-scatter and an all-gather in place of each all-reduce, and as Megatron-LM the
     attention's and the MLP's inputs gathered again in backward (kept split: ``Plan.regather``).
     (Dispatch left to itself reduce-scatters instead and moves weights at every matmul: at GPT-3's
-    width about 18x the time.)"""
+    width about 18x the time.) A sum of bf16 crosses between processes in fp32 (``shoal.comm``), so
+    it counts 4 bytes an element; a gather counts the activations' own."""
     from collections import Counter
 
     from shoal.auto.census import Collective, census
 
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=2, n_head=heads, n_embd=width)
     counted = census(cfg, tp, 1, seq, "none", precision, sp)
-    act = seq * width * itemsize
+    act = {"all_gather": seq * width * itemsize, "reduce_scatter": seq * width * 4, "all_reduce": seq * width * 4}
     added = Counter(counted.two) - Counter(counted.one)
     moved = {"reduce_scatter": 4, "all_gather": 6} if sp else {"all_reduce": 4}
-    assert all(added[Collective(kind, act, tp)] == n for kind, n in moved.items())
-    rest = sum(c.nbytes for c in counted.two) - sum(c.nbytes for c in counted.one) - sum(moved.values()) * act
+    assert all(added[Collective(kind, act[kind], tp)] == n for kind, n in moved.items())
+    rest = sum(c.nbytes for c in counted.two) - sum(c.nbytes for c in counted.one) - sum(
+        n * act[kind] for kind, n in moved.items())
     assert 0 <= rest <= 6 * width * 4  # layer norms' and row-parallel biases' gradients (fp32), at most
     assert {c.kind for c in added} == {*moved, "all_reduce"}
 

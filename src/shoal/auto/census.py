@@ -39,7 +39,8 @@ __all__ = ["Collective", "Census", "census", "count", "kernels"]
 @dataclass(frozen=True, slots=True)
 class Collective:
     """One collective of a step: ``kind`` (``comm``'s name: all_reduce, all_gather, reduce_scatter,
-    all_to_all, transfer), ``nbytes`` of the whole tensor (the gathered / reduced one), ``n`` devices."""
+    all_to_all, transfer), ``nbytes`` of the whole tensor (the gathered / reduced one) as it crosses
+    between processes (a sum of bf16 or fp16 crosses in fp32: ``shoal.comm``), ``n`` devices."""
 
     kind: str
     nbytes: int
@@ -75,9 +76,12 @@ def count(graph) -> list[Collective]:
     for op in graph.ops:
         if op.kind != "comm":
             continue
-        sizes = [graph.locals[i].size_bytes for i in op.reads or op.out_ids]  # or what lands: from an absent process
-        part = max(sizes, default=0)
+        ids = op.reads or op.out_ids  # or what lands: from an absent process
+        part = max((graph.locals[i].size_bytes for i in ids), default=0)
         whole = part if op.fn.name in ("all_reduce", "reduce_scatter", "transfer") else part * len(op.devices)
+        if op.fn.name in ("all_reduce", "reduce_scatter") and "max" not in op.args and "min" not in op.args \
+                and ids and graph.locals[ids[0]].dtype in (torch.bfloat16, torch.float16):
+            whole *= 2  # summed in fp32 across processes, rounded once
         out.append(Collective(op.fn.name, int(whole), len(op.devices)))
     return out
 
