@@ -143,7 +143,7 @@ def test_megatron_sc21_table1_calibration_rows_within_10_percent(row):
     fixed = auto.Parallel(tp=row.tp, pp=row.pp, dp=row.gpus // (row.tp * row.pp), zero=0, recompute="full",
                           sequence_parallel=False)
     cfg, est = auto.search(row.model(), cluster, batch=row.batch, seq=2048, fixed=fixed, layouts=False,
-                           schedules=("1f1b", "interleaved"))
+                           traced=False, schedules=("1f1b", "interleaved"))  # Megatron-LM's collectives
     assert cfg.schedule in ("1f1b", "interleaved")
     assert est.fits
     assert est.tflops_per_device == pytest.approx(row.tflops, rel=0.10), est.explain()

@@ -69,9 +69,11 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
            schedules: tuple[str, ...] = SCHEDULES) -> tuple[Parallel, Estimate]:
     """The fastest configuration that fits (``Estimate.runner_up``: the second); a clear error if none
     fits, naming the closest. ``layouts``: a winner with tp > 1 gets per-op layouts for its tp group
-    (``Estimate.layouts``). ``traced``: the ``TRACED`` fastest are priced again on shoal's traced step
-    (``census``) and the virtual clock. ``schedules``: the pipeline schedules to weigh (a runtime's, e.g.
-    Megatron-LM's 1f1b and interleaved)."""
+    (``Estimate.layouts``). The ``TRACED`` fastest are priced again with their schedule on the virtual
+    clock, and (``traced``) with the tensor-parallel collectives of shoal's traced step (``census``:
+    what shoal runs, sums of bf16 crossing in fp32), else with Megatron-LM's (how the published runs
+    ran). ``schedules``: the pipeline schedules to weigh (a runtime's, e.g. Megatron-LM's 1f1b and
+    interleaved)."""
     mcfg = gpt_config(model)
     seq = seq or mcfg.block_size
     def price(cfg: Parallel, on: Cluster, clock: bool = False) -> Estimate:
@@ -86,16 +88,16 @@ def search(model: nn.Module, cluster: Cluster, *, batch: int, seq: int | None = 
             if closest is None or est.memory_per_device < closest.memory_per_device:
                 closest = est
             continue
-        best = sorted([*best, est], key=lambda e: e.step_seconds)[:TRACED if traced else 2]
+        best = sorted([*best, est], key=lambda e: e.step_seconds)[:TRACED]
     if not best:
         if closest is None:
             raise ValueError(f"auto.search: no configuration agrees with {fixed} for batch {batch} on "
                              f"{cluster.devices} devices; free more of its fields")
         raise ValueError(f"auto.search: nothing fits in {cluster.memory / 1e9:.0f} GB per device; the closest, "
                          f"{closest.cfg}, needs {closest.memory_per_device / 1e9:.1f} GB; add devices")
-    if traced:  # the finalists again: shoal's traced tp collectives, pipelines on the virtual clock
-        counted = cluster if cluster.census else dataclasses.replace(cluster, census=True)
-        best = sorted((price(e.cfg, counted, clock=True) for e in best), key=lambda e: e.step_seconds)
+    # the finalists again: pipelines on the virtual clock, and shoal's traced tp collectives if ``traced``
+    counted = dataclasses.replace(cluster, census=True) if traced and not cluster.census else cluster
+    best = sorted((price(e.cfg, counted, clock=True) for e in best), key=lambda e: e.step_seconds)
     winner = best[0]
     winner.runner_up = best[1] if len(best) > 1 else None
     if layouts and winner.cfg.tp > 1:
