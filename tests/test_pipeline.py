@@ -10,6 +10,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import shoal
@@ -425,6 +427,48 @@ def accumulated_step(model, opt, x, y, m: int):
     return torch.stack(losses).mean()
 
 
+def train_accumulating(text: str, micro_batches: int, micro_batch: int = 1, dropout: float = 0.3, steps: int = 4,
+                       seed: int = 1, optimizer=torch.optim.AdamW):
+    """Train the bundled GPT ``steps`` steps under ``auto.Parallel.parse(text)`` with ``micro_batches``
+    micro-batches of ``micro_batch`` rows per data-parallel rank, beside plain torch accumulating
+    gradients over the same micro-batches on one device, both seeded alike before each step: the
+    losses, and the generator after each step, must agree; then the weights. (Adam normalizes each
+    update, so a gradient that is all but zero turns its rounding into an lr-sized step: SGD for
+    drawn cases, where a row of a 1-row micro-batch may drop most of a weight's inputs.)"""
+    from shoal import auto
+    from shoal.models.gpt import GPT, GPTConfig
+    from shoal.train import gather, train_step
+
+    cfg = auto.Parallel.parse(f"{text},mb={micro_batch},precision=fp32")
+    degrees = {"pp": cfg.pp or 1, "dp": cfg.dp or 1, "tp": cfg.tp or 1}
+    shape, axes = zip(*[(n, a) for a, n in degrees.items() if n > 1])
+    mesh = shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=16, dropout=dropout))
+    batch = degrees["dp"] * micro_batch * micro_batches
+    plan, options = cfg.to_plan(mesh, batch=batch, model=base)
+    assert options["micro_batches"] == micro_batches
+    ref = copy.deepcopy(base)
+    ref_opt = optimizer(ref.parameters(), lr=1e-2)
+    model = shoal.distribute_module(copy.deepcopy(base), mesh, plan)
+    opt = optimizer(model.parameters(), lr=1e-2)
+    step = shoal.compile(train_step, **options)
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(steps):
+        x, y = torch.randint(0, 16, (batch, 8), generator=gen), torch.randint(0, 16, (batch, 8), generator=gen)
+        torch.manual_seed(seed + i)
+        want = accumulated_step(ref, ref_opt, x, y, micro_batches)
+        after = torch.get_rng_state()
+        torch.manual_seed(seed + i)
+        got = step(model, opt, x, y)
+        assert_same_value(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.get_rng_state(), after), f"step {i}: the generator is not where one device leaves it"
+    got = gather(model).state_dict()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-5, msg=name)
+    return step
+
+
 @pytest.mark.parametrize("text", [
     "pp=2,dp=2,schedule=1f1b", "pp=2,dp=2,schedule=gpipe", "pp=4,schedule=zb",
     "pp=2,dp=2,schedule=interleaved,v=2", "pp=2,tp=2,sp=true,schedule=1f1b", "pp=2,dp=2,recompute=full"])
@@ -434,35 +478,18 @@ def test_dropout_in_a_pipeline_draws_what_one_device_accumulating_draws(text):
     micro-batch's draws are replayed in that order before the run (``Runtime._replay_draws``). Four
     steps with an 8-row batch in micro-batches of 1 (4 on pp=2 x dp=2, 8 on pp=4); losses, weights,
     and the generator's state after each step."""
-    from shoal import auto
-    from shoal.models.gpt import GPT, GPTConfig
-    from shoal.train import gather, train_step
-
-    cfg = auto.Parallel.parse(text + ",mb=1,precision=fp32")
-    degrees = {"pp": cfg.pp or 1, "dp": cfg.dp or 1, "tp": cfg.tp or 1}
-    shape, axes = zip(*[(n, a) for a, n in degrees.items() if n > 1])
-    mesh = shoal.Mesh(torch.arange(4).reshape(shape).tolist(), axes=axes)
-    torch.manual_seed(0)
-    base = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=16, dropout=0.3))
-    plan, options = cfg.to_plan(mesh, batch=8, model=base)
-    m = options["micro_batches"]
-    assert m == 8 // degrees["dp"]
-    ref = copy.deepcopy(base)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    model = shoal.distribute_module(copy.deepcopy(base), mesh, plan)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = shoal.compile(train_step, **options)
-    gen = torch.Generator().manual_seed(1)
-    for i in range(4):
-        x, y = torch.randint(0, 16, (8, 8), generator=gen), torch.randint(0, 16, (8, 8), generator=gen)
-        torch.manual_seed(10 + i)
-        want = accumulated_step(ref, ref_opt, x, y, m)
-        after = torch.get_rng_state()
-        torch.manual_seed(10 + i)
-        got = step(model, opt, x, y)
-        assert_same_value(got, want, rtol=1e-5, atol=1e-6)
-        assert torch.equal(torch.get_rng_state(), after), f"step {i}: the generator is not where one device leaves it"
+    step = train_accumulating(text, 8 // (2 if "dp=2" in text else 1))
     assert step.traces == 2
-    got = gather(model).state_dict()
-    for name, p in ref.state_dict().items():
-        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@settings(max_examples=6, derandomize=True, database=None, deadline=None, print_blob=False)
+@given(text=st.sampled_from(["pp=2,dp=2,schedule=1f1b", "pp=2,dp=2,schedule=gpipe", "pp=4,schedule=1f1b",
+                             "pp=2,dp=2,schedule=zb", "pp=2,dp=2,schedule=interleaved,v=2",
+                             "pp=2,tp=2,sp=true,schedule=interleaved,v=2", "pp=2,dp=2,recompute=selective",
+                             "pp=2,tp=2,recompute=full"]),
+       micro_batches=st.sampled_from([2, 4, 6]), micro_batch=st.integers(1, 2),
+       dropout=st.sampled_from([0.1, 0.5]), seed=st.integers(0, 2**16))
+def test_drawn_pipelines_with_dropout_equal_one_device_accumulating(text, micro_batches, micro_batch, dropout, seed):
+    """Drawn plans, micro-batch counts and sizes, dropout rates and seeds: two steps each against
+    plain torch's gradient accumulation (``train_accumulating``)."""
+    train_accumulating(text, micro_batches, micro_batch, dropout, steps=2, seed=seed, optimizer=torch.optim.SGD)
