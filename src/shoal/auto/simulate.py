@@ -64,6 +64,8 @@ class Estimate:
     layouts: tuple | None = field(default=None, repr=False)
     traced: bool = False  # the tp collectives are those of shoal's traced step (``census``), not Megatron's formula
     clocked: bool = False  # the pipeline ran its schedule on the virtual clock, not the bubble's closed form
+    # bytes one device's data-parallel collectives move a step, by kind, as the closed forms count them
+    dp_bytes: dict = field(default_factory=dict, repr=False)
 
     @property
     def memory_per_device(self) -> float:
@@ -307,14 +309,16 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     ends = prof.embed_params + prof.head_params if c.pp == 1 else max(prof.embed_params, prof.head_params)
     params = (layers * prof.block_params + ends) / c.tp  # the fullest stage's (one stage: all of them)
     tensors = layers * prof.block_tensors + prof.other_tensors  # the last stage's (the embedding, tied, too)
-    dp_time = 0.0
+    dp_time, dp_bytes = 0.0, {}
     if c.dp > 1:
         if c.zero >= 2:  # as shoal runs ZeRO-2/3: each gradient reduce-scattered on its own
             calls = tensors
             reduce = tensors * cluster.reduce_scatter(params * g_bytes / tensors, c.dp, c.tp)
+            dp_bytes["reduce_scatter"] = params * g_bytes
         else:  # all-reduced in buckets, as shoal buckets them
             calls = max(1, math.ceil(params * g_bytes / cluster.bucket_bytes))
             reduce = calls * cluster.all_reduce(params * g_bytes / calls, c.dp, c.tp)
+            dp_bytes["all_reduce"] = params * g_bytes
         overlap = layers * (layer.backward + again)  # the last micro-batch's
         # in one process a collective's latency is the devices' threads handing over under one lock:
         # host time that no device's computation hides; only its sums and copies overlap
@@ -323,11 +327,13 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
         dp_time = max(reduce - exposed - overlap, 0.0) + exposed
         if c.zero in (1, 2):  # each updated parameter gathered on its own, after its update: not hidden
             dp_time += tensors * cluster.all_gather(params * w_bytes / tensors, c.dp, c.tp)
+            dp_bytes["all_gather"] = params * w_bytes
         if c.zero == 3:  # each unit's weights (a block's, the rest's) gathered for every forward (and
             # full recomputation) and backward, per micro-batch (attention's core holds no weights)
             units = layers + 1
             gathers = 3 if c.recompute == "full" else 2
             dp_time += m * gathers * units * cluster.all_gather(params * w_bytes / units, c.dp, c.tp)
+            dp_bytes["all_gather"] = m * gathers * params * w_bytes
     update = params / (c.dp if c.zero >= 1 else 1) * _UPDATE[c.precision] / cluster.hbm \
         + _ADAM_KERNELS * cluster.op_overhead
     step = pipeline + dp_time + update
@@ -343,7 +349,7 @@ def estimate(prof: Profile, mcfg, cluster: Cluster, c: Parallel, batch: int, seq
     per_device = 1e12 * step * cluster.devices
     return Estimate(c, cluster, batch, seq, step, mega / per_device, own / per_device,
                     own / (step * cluster.devices * peak), memory, breakdown, traced=traced,
-                    clocked=clock and c.pp > 1)
+                    clocked=clock and c.pp > 1, dp_bytes=dp_bytes)
 
 
 @functools.cache
