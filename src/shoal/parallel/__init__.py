@@ -44,7 +44,10 @@ class Plan:
     and the ``params`` layouts then name the other axes. ``zero``: 0 none, 1 optimizer state split over
     ``dp_axis`` (default: the mesh's "dp", else its first axis), 2 gradients too, 3 parameters at rest
     too, gathered around the forward of each unit (each item of a ``ModuleList``, the modules named by
-    ``zero_unit`` patterns, the module itself for the rest)."""
+    ``zero_unit`` patterns, the module itself for the rest). ``checkpoint``: module patterns whose
+    activations are recomputed in backward; ``regather``: module patterns with an input pin that
+    gathers, whose saved copies of that input are kept split and gathered again in backward
+    (``parallel.recompute``)."""
 
     params: Mapping[str, Layout] = field(default_factory=dict)
     inputs: Mapping[str, Layout | Sequence[Layout]] = field(default_factory=dict)
