@@ -27,6 +27,7 @@ from functools import cache
 
 import torch
 
+from ..comm import reduced_dtype
 from ..graph.ir import Ref
 from ..mesh import Mesh
 from ..models import gpt
@@ -79,9 +80,10 @@ def count(graph) -> list[Collective]:
         ids = op.reads or op.out_ids  # or what lands: from an absent process
         part = max((graph.locals[i].size_bytes for i in ids), default=0)
         whole = part if op.fn.name in ("all_reduce", "reduce_scatter", "transfer") else part * len(op.devices)
-        if op.fn.name in ("all_reduce", "reduce_scatter") and "max" not in op.args and "min" not in op.args \
-                and ids and graph.locals[ids[0]].dtype in (torch.bfloat16, torch.float16):
-            whole *= 2  # summed in fp32 across processes, rounded once
+        if op.fn.name in ("all_reduce", "reduce_scatter") and ids:  # as the reduction crosses processes
+            dtype = graph.locals[ids[0]].dtype
+            reduction = next((a for a in op.args[2:] if isinstance(a, str)), "sum")
+            whole = whole * reduced_dtype(dtype, reduction).itemsize // dtype.itemsize
         out.append(Collective(op.fn.name, int(whole), len(op.devices)))
     return out
 

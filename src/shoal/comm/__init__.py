@@ -34,6 +34,7 @@ __all__ = [
     "broadcast_all",
     "place",
     "bucket_bytes",
+    "reduced_dtype",
 ]
 
 Shards = Sequence[torch.Tensor | None]
@@ -113,10 +114,15 @@ _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
+def reduced_dtype(dtype: torch.dtype, op: str = "sum") -> torch.dtype:
+    """The dtype a reduction ``op`` of ``dtype`` partial sums is computed in, and crosses processes in."""
+    return _WIDE.get(dtype, dtype) if op == "sum" else dtype
+
+
 def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     f = _REDUCE[op]
-    wide = _WIDE.get(xs[0].dtype) if op == "sum" else None
-    acc = xs[0] if wide is None else xs[0].to(wide)
+    wide = reduced_dtype(xs[0].dtype, op)
+    acc = xs[0] if wide == xs[0].dtype else xs[0].to(wide)
     for x in xs[1:]:
         acc = f(acc, x)
     return acc
@@ -210,14 +216,13 @@ def all_gather(devices: Sequence[int], shards: Shards, dim: int, shapes=None) ->
 
 def _scatter(full: torch.Tensor, devices: Sequence[int], dim: int, shards: Shards) -> list:
     parts = torch.tensor_split(full, len(devices), dim)
+    return [None if s is None else _on(p, d) for p, d, s in zip(parts, devices, shards)]
+
+
+def _on(t: torch.Tensor, device: int) -> torch.Tensor:
+    """``t`` on ``device`` (the same tensor on CPU, where every device shares the memory)."""
     w = world()
-    out = []
-    for p, d, s in zip(parts, devices, shards):
-        if s is None:
-            out.append(None)
-        else:
-            out.append(p if w.device_type == "cpu" else p.to(w.torch_device(d)))
-    return out
+    return t if w.device_type == "cpu" else t.to(w.torch_device(device))
 
 
 @collective
@@ -231,11 +236,9 @@ def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "
         if _blocks(devices, parts, shards):  # this process's partial sum, reduce-scattered into its devices' block
             partial = _reduce(_home(local), op)
             record("reduce_scatter", _nbytes(partial))
-            block = _dist.reduce_scatter_blocks(partial, op, dim, _ranks(devices))
+            block = _dist.reduce_scatter_blocks(partial, op, dim, _ranks(devices)).to(local[0].dtype)
             pieces = iter(torch.split(block, [n for n, s in zip(parts, shards) if s is not None], dim))
-            w = world()
-            return [None if s is None else next(pieces).to(local[0].dtype) if w.device_type == "cpu"
-                    else next(pieces).to(w.torch_device(d), local[0].dtype) for d, s in zip(devices, shards)]
+            return [None if s is None else _on(next(pieces), d) for d, s in zip(devices, shards)]
     total = _reduce_group(devices, shards, op)
     record("reduce_scatter", _nbytes(total))
     return _scatter(total, devices, dim, shards)

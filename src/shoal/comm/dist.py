@@ -84,16 +84,14 @@ def all_gather_blocks(block: torch.Tensor, dim: int, ranks: Sequence[int]) -> to
     ``gather_along``'s all-reduce of a zero-padded whole moves)."""
     if _nothing_moves(block, ranks):
         return torch.cat([block] * len(ranks), dim)
-    w = _wire(block).movedim(dim, 0).contiguous()
-    out = w.new_empty((w.shape[0] * len(ranks), *w.shape[1:]))
-    g = _group(tuple(ranks))
-    if g is dist.group.WORLD:
-        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch renamed it
-        _guarded("all_gather", ranks, lambda: gather(out, w))
-    else:  # a backend group of shoal's own (``_group``): its own methods
-        _guarded("all_gather", ranks, lambda: g._allgather_base(out, w).wait())
-    out = out.movedim(0, dim).contiguous()
-    return out.to(torch.bool) if block.dtype == torch.bool else out
+
+    def run(out, w, g):
+        if g is dist.group.WORLD:
+            getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, w)  # torch renamed it
+        else:  # a backend group of shoal's own (``_group``): its own methods
+            g._allgather_base(out, w).wait()
+
+    return _on_dim0("all_gather", block, dim, ranks, lambda rows: rows * len(ranks), run)
 
 
 def reduce_scatter_blocks(whole: torch.Tensor, op: str, dim: int, ranks: Sequence[int]) -> torch.Tensor:
@@ -102,18 +100,27 @@ def reduce_scatter_blocks(whole: torch.Tensor, op: str, dim: int, ranks: Sequenc
     n = len(ranks)
     if _nothing_moves(whole, ranks):
         return whole.tensor_split(n, dim)[0] if n > 1 else whole
-    w = _wire(whole).movedim(dim, 0).contiguous()
-    out = w.new_empty((w.shape[0] // n, *w.shape[1:]))
+
+    def run(out, w, g):
+        if g is dist.group.WORLD:
+            getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, w, op=_OPS[op])
+        else:
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = _OPS[op]
+            g._reduce_scatter_base(out, w, opts).wait()
+
+    return _on_dim0("reduce_scatter", whole, dim, ranks, lambda rows: rows // n, run)
+
+
+def _on_dim0(what: str, t: torch.Tensor, dim: int, ranks: Sequence[int], rows, run) -> torch.Tensor:
+    """``run(out, w, group)`` with ``w`` = ``t`` moved to dim 0 (bools as uint8) and ``out`` an empty
+    buffer of ``rows(w's rows)`` rows, on the ranks' group; ``out`` moved back to ``dim``."""
+    w = _wire(t).movedim(dim, 0).contiguous()
+    out = w.new_empty((rows(w.shape[0]), *w.shape[1:]))
     g = _group(tuple(ranks))
-    if g is dist.group.WORLD:
-        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # torch renamed it
-        _guarded("reduce_scatter", ranks, lambda: scatter(out, w, op=_OPS[op]))
-    else:
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = _OPS[op]
-        _guarded("reduce_scatter", ranks, lambda: g._reduce_scatter_base(out, w, opts).wait())
+    _guarded(what, ranks, lambda: run(out, w, g))
     out = out.movedim(0, dim).contiguous()
-    return out.to(torch.bool) if whole.dtype == torch.bool else out
+    return out.to(torch.bool) if t.dtype == torch.bool else out
 
 
 def groups_made() -> list[tuple[int, ...]]:

@@ -112,7 +112,7 @@ def megatron_plan(mesh: Mesh, kind: str, vocab: tuple[str, ...], heads: tuple[st
     if sequence_parallel and ax.tp is None:
         raise ValueError(f"plans(mesh, {kind!r}, sequence_parallel=True): sequence parallelism splits on the "
                          f"tensor-parallel axis; plan {kind!r} has none (use 'tp' or 'dp,tp')")
-    params, inputs, outputs = {}, {"": whole}, {}
+    params, inputs, outputs, regather = {}, {"": whole}, {}, ()
     if ax.tp is not None:
         col, row = ax.layout(tp=S(0)), ax.layout(tp=S(1))
         params = {"blocks.*.attn.[qkv].*": col, "blocks.*.mlp.up.*": col, "blocks.*.attn.proj.weight": row,
@@ -121,8 +121,8 @@ def megatron_plan(mesh: Mesh, kind: str, vocab: tuple[str, ...], heads: tuple[st
         between = ax.layout(dp=S(0), tp=S(1)) if sequence_parallel else whole  # the sub-blocks' outputs
         outputs = {name: between for name in (*subs, "tok_emb")}
         if sequence_parallel:
-            inputs.update({name: whole for name in (*subs, *heads)})
-    regather = (*subs, *heads) if sequence_parallel else ()
+            regather = (*subs, *heads)
+            inputs.update({name: whole for name in regather})
     return Plan(params=params, inputs=inputs, outputs=outputs, zero=kinds.ZERO.get(kind, 0), regather=regather)
 
 

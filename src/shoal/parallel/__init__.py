@@ -59,9 +59,7 @@ class Plan:
     zero_unit: Sequence[str] = ()
     precision: object = None  # None (the module's dtypes), "bf16", "fp16" or a Precision
     checkpoint: Sequence[str] = ()  # module name patterns whose activations are recomputed in backward
-    # module name patterns whose input pins gather: what they save of it is kept split, gathered again
-    # in backward (``parallel.recompute``: Megatron-LM's sequence parallelism)
-    regather: Sequence[str] = ()
+    regather: Sequence[str] = ()  # module name patterns whose gathered inputs backward gathers again
 
     def staged(self, stages: Mapping[str, int] | str) -> Plan:
         """A plan for the whole mesh with a stage axis in front, from this one written for one stage's

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import torch.utils.checkpoint
 from torch import nn
 
+from ..sbp import Broadcast, Split
+from ..tensor import GlobalTensor
 from .memory import gathered
 
 __all__ = ["install_checkpointing", "checkpointed", "install_regathering"]
@@ -75,8 +77,9 @@ def install_regathering(module: nn.Module, patterns: Sequence[str], pins: dict) 
         if name not in pins:
             raise ValueError(f"Plan(regather=...): {name!r} has no input pin (Plan.inputs) to gather its input; "
                              "name submodules whose inputs the plan lays out")
-        if any(_is_checkpointed(mods[n]) for n in mods if n and (name == n or name.startswith(n + "."))):
-            continue
+        parts = name.split(".")
+        if any(_is_checkpointed(mods[".".join(parts[:i])]) for i in range(1, len(parts) + 1)):
+            continue  # inside (or itself) a checkpointed module
         m = mods[name]
         m.forward = functools.partial(_regathered, m.forward, pins.pop(name))
         done.append(name)
@@ -120,8 +123,6 @@ class _Regather:
 
 
 def _regathered(forward, pin, *args, **kwargs):
-    from ..tensor import GlobalTensor
-
     laid = pin(tuple(args))
     gathered = {}
     for before, after in zip(args, laid):
@@ -148,8 +149,6 @@ def _regathered(forward, pin, *args, **kwargs):
 
 def _gathers(before, after) -> bool:
     """``after`` is ``before`` gathered: the same mesh, Broadcast where ``before`` is split."""
-    from ..sbp import Broadcast, Split
-
     return before.mesh == after.mesh and any(isinstance(b, Split) and isinstance(a, Broadcast)
                                              for b, a in zip(before.sbp, after.sbp))
 
