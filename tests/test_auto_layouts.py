@@ -2,6 +2,8 @@
 running in shoal like plain torch."""
 
 import copy
+import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ from torch import nn
 import shoal
 from shoal import auto
 from shoal.auto.cluster import Link
-from shoal.auto.layouts import box_seconds, gpt_layouts, solve
+from shoal.auto.layouts import _dispatched, _Pricer, box_seconds, gpt_layouts, solve, trace
+from shoal.models import gpt
 from shoal.models.gpt import GPT, GPTConfig
 from shoal.sbp import Broadcast, Partial, Split
 from shoal.train import gather, train_step
@@ -124,13 +127,16 @@ def test_the_gpts_layouts_beat_or_match_megatron_and_train_like_one_device(tp):
     with torch.device("meta"):
         big = GPT(GPTConfig())  # the bundled GPT, priced on A100s
     best, mega = gpt_layouts(big, A100, tp, batch=8, precision="bf16")
-    assert best.seconds <= mega.seconds * (1 + 1e-4)  # HiGHS stops within a relative gap of 1e-4
+    assert best.optimum <= mega.seconds * (1 + 1e-4)  # HiGHS stops within a relative gap of 1e-4
+    assert best.optimum <= best.seconds * (1 + 1e-4) and mega.optimum == mega.seconds
     assert mega.params["blocks.0.mlp.up.weight"] == (S(0),) and mega.params["blocks.0.attn.proj.weight"] == (S(1),)
+    assert mega.outputs == dict(gpt.plans((tp,), "tp").outputs)  # Megatron's pins, each moving something
     # dispatch picks each op's signature by its inputs' boxing alone: the step as shoal runs it costs
-    # more than the program's, for both, and the program's parameter layouts still win
+    # more than the program's, for both; the layouts the program moved toward what dispatch runs
+    # fastest are still faster than Megatron's as dispatch runs both
     assert sum(mega.dispatched.values()) >= mega.seconds * (1 - 1e-4)
     assert sum(best.dispatched.values()) >= best.seconds * (1 - 1e-4)
-    assert sum(best.dispatched.values()) <= sum(mega.dispatched.values())
+    assert sum(best.dispatched.values()) < sum(mega.dispatched.values())
     _trains_like_one_device(best.plan(), shoal.Mesh(list(range(tp)), axes=("tp",)))
 
 
@@ -161,8 +167,97 @@ def test_the_searchs_layouts_lay_out_a_dp_tp_mesh_through_to_plan():
     best, _ = gpt_layouts(big, A100, 2, batch=8, precision="bf16")
     mesh = shoal.Mesh([[0, 1], [2, 3]], axes=("dp", "tp"))
     par = auto.Parallel(tp=2, dp=2, pp=1, micro_batch=2, precision="fp32")
-    plan, _ = par.to_plan(mesh, batch=4, layouts=best.params)
+    plan, _ = par.to_plan(mesh, batch=4, layouts=best)
     assert plan.params and all(lay[0] == B and lay[1] == best.params[n][0] for n, lay in plan.params.items())
+    assert best.outputs and plan.outputs == {k: (S(0), v[0]) for k, v in best.plan().outputs.items()}
     _trains_like_one_device(plan, mesh)
-    with pytest.raises(ValueError, match="one SBP per parameter"):
-        auto.Parallel(tp=2, dp=2, pp=1).to_plan(mesh, layouts={"lm_head.weight": (B, B)})
+    sp, _ = dataclasses.replace(par, sequence_parallel=True).to_plan(mesh, batch=4, layouts=best)
+    assert sp.params == plan.params and sp.regather  # sequence parallelism keeps its own pins
+    _trains_like_one_device(sp, mesh)
+    with pytest.raises(TypeError, match="auto.Layouts"):
+        par.to_plan(mesh, layouts=best.params)
+    with pytest.raises(ValueError, match="layouts of a tp group"):
+        par.to_plan(mesh, layouts=dataclasses.replace(best, params={"lm_head.weight": (B, S(0))}))
+
+
+def _replayed(module, args, cluster, tp: int, lay) -> Counter:
+    """Bytes by collective kind of the step ``Layouts.dispatched`` prices for ``lay``'s plan."""
+    log = []
+    _dispatched(trace(module, args, (tp,)), lay.params, _Pricer(cluster, (tp,), "fp32", log), lay.outputs)
+    out = Counter()
+    for kind, nbytes, _ in log:
+        out[kind] += nbytes
+    return out
+
+
+def _compiled(module, args, tp: int, plan) -> Counter:
+    """Bytes by collective kind of shoal's compiled training step (the output summed, AdamW) of
+    ``module(*args)`` under ``plan`` on ``tp`` devices, traced in a world of meta devices."""
+    from shoal.auto.census import count
+    from shoal.world import meta_world
+
+    def step(m, opt, *a):
+        opt.zero_grad()
+        loss = m(*a).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    with meta_world(tp):
+        model = shoal.distribute_module(copy.deepcopy(module).to("meta"), shoal.Mesh(list(range(tp))), plan)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        compiled = shoal.compile(step)
+        for _ in range(2):  # the first call makes the optimizer's state eagerly, the second is traced
+            compiled(model, opt, *(torch.zeros(a.shape) for a in args))
+    out = Counter()
+    for c in count(compiled.graph):
+        out[c.kind] += c.nbytes
+    return out
+
+
+def test_an_output_pin_that_moves_a_value_is_priced_as_shoal_runs_it():
+    """Megatron's MLP with its output pinned whole: forward, the row-parallel partial sum is reduced
+    at the pin; backward, the pin hands its gradient on in the layout the value came in (reduced).
+    The replay of dispatch moves the bytes shoal's compiled step moves; a pin that moves nothing is
+    not kept."""
+    tokens, d, tp = 64, 32, 4
+    x = _args(tokens, d)[:1]
+    mega = {"up.*": S(0), "down.weight": S(1)}
+    pinned = solve(MLP(d), x, SLOW, (tp,), fixed=mega, outputs={"down": B})
+    free = solve(MLP(d), x, SLOW, (tp,), fixed=mega, outputs={"up": S(1)})  # where dispatch puts it anyway
+    assert pinned.outputs == {"down": B} and free.outputs == {}
+    assert pinned.plan().outputs == {"down": B}
+    for lay in (pinned, free):
+        assert _replayed(MLP(d), x, SLOW, tp, lay) == _compiled(MLP(d), x, tp, lay.plan())
+    assert _replayed(MLP(d), x, SLOW, tp, pinned)["all_reduce"] >= tokens * d * 4  # the pin's reduction
+
+
+@pytest.mark.parametrize("which", ["program", "megatron"])
+def test_the_replay_of_dispatch_moves_the_bytes_of_the_step_shoal_compiles(which):
+    """What ``Layouts.dispatched`` prices (dispatch's decisions, the pins, a Partial value reduced once)
+    is what shoal runs: the collectives' bytes of the compiled training step of the same plan (traced in
+    a world of meta devices), kind by kind."""
+    from shoal.auto.census import count, traced_step
+    from shoal.world import meta_world
+
+    mcfg = GPTConfig(n_layer=1)
+    with torch.device("meta"):
+        model = GPT(mcfg)
+    best, mega = gpt_layouts(model, A100, 2, batch=4)
+    lay = best if which == "program" else mega
+    assert lay.outputs and lay.dispatched is not None
+    log = []
+    idx = torch.zeros(4, mcfg.block_size, dtype=torch.long, device="meta")
+    _dispatched(trace(model, (idx, idx), (2,)), lay.params, _Pricer(A100, (2,), "fp32", log), lay.outputs)
+    replay, real = Counter(), Counter()
+    for kind, nbytes, _ in log:
+        replay[kind] += nbytes
+    with meta_world(2):
+        graph = traced_step(mcfg, auto.Parallel(tp=2, dp=1, pp=1, micro_batch=4, precision="fp32"),
+                            layouts=best if which == "program" else None)
+    for c in count(graph):
+        real[c.kind] += c.nbytes
+    total = sum(real.values())
+    for kind in {*replay, *real}:  # the loss's few scalars and rows aside, kind by kind
+        assert replay[kind] == pytest.approx(real[kind], abs=1e-3 * total), kind
+

@@ -135,10 +135,11 @@ def _census(twin: gpt.GPTConfig, cfg: Parallel) -> Census:
     return Census(*(tuple(count(g)) for g in graphs), *(kernels(g) for g in graphs))
 
 
-def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel, micro_batches: int = 1):
+def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel, micro_batches: int = 1, layouts=None):
     """The traced graph of a training step of ``micro_batches`` micro-batches per data-parallel rank
-    through a bundled GPT of config ``mcfg`` under ``cfg``'s plan (degrees given: tp, pp, dp) on the
-    world's first tp x pp x dp devices (built on the meta device in a meta world)."""
+    through a bundled GPT of config ``mcfg`` under ``cfg``'s plan (degrees given: tp, pp, dp; the
+    integer program's ``layouts`` on tp, as ``to_plan`` takes them) on the world's first tp x pp x dp
+    devices (built on the meta device in a meta world)."""
     from ..graph.api import compile as compile_step  # the compiler, as the step would run
     from ..parallel import distribute_module
     from ..train import train_step
@@ -150,7 +151,7 @@ def traced_step(mcfg: gpt.GPTConfig, cfg: Parallel, micro_batches: int = 1):
         with torch.device("meta" if world().device_type == "meta" else "cpu"):
             base = gpt.GPT(mcfg)
     batch = cfg.micro_batch * (cfg.dp or 1) * micro_batches
-    plan, options = cfg.to_plan(mesh, batch=batch, model=base)
+    plan, options = cfg.to_plan(mesh, batch=batch, model=base, layouts=layouts)
     model = distribute_module(base, mesh, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = compile_step(train_step, **options)

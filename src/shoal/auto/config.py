@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from torch import nn
 
 from ..mesh import Mesh
 from ..models import gpt
-from ..parallel import Plan
+from ..parallel import Plan, _is_layout
 from ..parallel.balance import balance
-from ..sbp import Broadcast
+from ..sbp import Broadcast, Split
 
 __all__ = ["Parallel", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "check"]
 
@@ -117,16 +116,17 @@ class Parallel:
         return tuple(name for name, n in sizes if n > 1) or ("dp",)
 
     def to_plan(self, mesh: Mesh, batch: int | None = None, model: nn.Module | None = None,
-                layouts: Mapping[str, tuple] | None = None) -> tuple[Plan, dict]:
+                layouts=None) -> tuple[Plan, dict]:
         """The bundled GPT's ``shoal.Plan`` for this configuration on ``mesh`` (shaped as ``mesh_shape``,
         axes ``axes()``), and the ``shoal.compile`` options (micro-batches of a global ``batch``,
         default two per stage; the schedule). Each pipeline stage's sub-mesh gets the GPT's plan for
         the axes left (dp, tp, both, or none: replicated); ``pp`` stages are cut by parameter count
         (``stages="auto"``), ``pp x virtual_stages`` ones (interleaved) by ``shoal.parallel.balance``
         of ``model``. ``sequence_parallel``: the activations between sub-blocks split on the sequence
-        over tp (``gpt.plans(..., sequence_parallel=True)``). ``layouts``: each
-        parameter's layout on the tp axis (the integer program's, ``Estimate.layouts[0].params``), in
-        place of Megatron-LM's pattern; Broadcast on the other axes."""
+        over tp (``gpt.plans(..., sequence_parallel=True)``). ``layouts``: the integer program's
+        ``auto.Layouts`` for a tp group (``Estimate.layouts[0]``): its parameter layouts on the tp axis
+        (Broadcast on the others) and, without sequence parallelism, its output pins, in place of
+        Megatron-LM's pattern."""
         cfg = self.resolved(math.prod(mesh.shape))
         want, axes = cfg.mesh_shape(), cfg.axes()
         if tuple(mesh.shape) != want or tuple(mesh.axes) != axes:
@@ -138,12 +138,13 @@ class Parallel:
         if layouts is not None and cfg.tp == 1:
             raise ValueError(f"Parallel {cfg}: per-op layouts are for the tp axis; this plan has none")
         if cfg.pp == 1:
-            plan = _tp_layouts(gpt.plans(mesh, ",".join(axes), cfg.sequence_parallel), axes, layouts)
+            plan = _tp_layouts(gpt.plans(mesh, ",".join(axes), cfg.sequence_parallel), axes, layouts,
+                               cfg.sequence_parallel)
         else:
             inner = Plan()  # a stage's sub-mesh: the GPT's plan for the axes left, or replicated
             if len(axes) > 1:
                 inner = _tp_layouts(gpt.plans(mesh.submesh(pp=0), ",".join(axes[1:]), cfg.sequence_parallel),
-                                    axes[1:], layouts)
+                                    axes[1:], layouts, cfg.sequence_parallel)
             stages = "auto"
             if cfg.virtual_stages > 1:
                 if model is None:
@@ -177,20 +178,31 @@ def check(c: Parallel, mcfg, batch: int) -> None:
         raise ValueError(f"auto: plan {c} does not fit the model: " + "; ".join(problems))
 
 
-def _tp_layouts(plan: Plan, axes: tuple, layouts: Mapping[str, tuple] | None) -> Plan:
-    """``plan`` with its parameter layouts given on the tp axis by ``layouts`` (name -> a layout of
-    one entry), Broadcast on the other ``axes``."""
+def _tp_layouts(plan: Plan, axes: tuple, layouts, sequence_parallel: bool) -> Plan:
+    """``plan`` with the integer program's ``layouts`` (an ``auto.Layouts`` for a tp group) on the tp
+    axis: its parameter layouts, Broadcast on the other ``axes``, and (without sequence parallelism,
+    whose pins ``plan`` keeps) its output pins in place of Megatron-LM's, split on the batch over dp."""
     if layouts is None:
         return plan
-    t = axes.index("tp")
-    params = {}
-    for name, lay in layouts.items():
+    if not hasattr(layouts, "params") or not hasattr(layouts, "outputs"):
+        raise TypeError(f"to_plan: layouts={type(layouts).__name__}; give the integer program's auto.Layouts "
+                        f"(auto.search's Estimate.layouts[0], or auto.gpt_layouts(...)[0])")
+
+    def on_mesh(lay, name: str, dp):
+        if lay is None:
+            return None
         if len(lay) != 1:
-            raise ValueError(f"to_plan: layouts[{name!r}] = {lay!r}; give one SBP per parameter, the tp axis's "
-                             f"(auto.search's Estimate.layouts[0].params)")
-        if lay[0] != Broadcast():
-            params[name] = (Broadcast(),) * t + tuple(lay) + (Broadcast(),) * (len(axes) - t - 1)
-    return dataclasses.replace(plan, params=params)
+            raise ValueError(f"to_plan: the layouts' {name} is {lay!r}; give the layouts of a tp group (one SBP)")
+        return tuple(lay[0] if a == "tp" else dp if a == "dp" else Broadcast() for a in axes)
+
+    params = {name: on_mesh(lay, f"params[{name!r}]", Broadcast()) for name, lay in layouts.params.items()
+              if any(s != Broadcast() for s in lay)}
+    if sequence_parallel:
+        return dataclasses.replace(plan, params=params)
+    outputs = {name: on_mesh(lay, f"outputs[{name!r}]", Split(0)) if _is_layout(lay)
+               else tuple(on_mesh(one, f"outputs[{name!r}]", Split(0)) for one in lay)
+               for name, lay in layouts.plan().outputs.items()}  # ModuleList items by pattern
+    return dataclasses.replace(plan, params=params, outputs=outputs)
 
 
 def _value(key: str, text: str, whole: str):

@@ -17,15 +17,26 @@ and picks one signature per op and one layout per parameter by a mixed-integer l
 - each parameter's gradient is boxed to the parameter's layout; its optimizer update costs the
   bytes of its shard (``simulate``'s Adam model), and the states of all shards must fit in memory.
 
-``Layouts`` holds the choice (``params``, ``plan()``: a ``shoal.Plan``), the predicted seconds by
-kind, and the solve time. ``fixed=`` prices a given parameter layout (Megatron's: ``megatron``)
-with the same program, the ops' signatures left free: the two are comparable.
+Dispatch decides each op by its own inputs' boxing; a plan steers it only by pinning submodules'
+results (``Plan.outputs``). So the program's layouts of those results become output pins, and the
+step is replayed through dispatch's own ``decide`` (``_dispatched``: the pins and their backward, a
+Partial value reduced once, in a world of meta devices; a test holds it to shoal's compiled step).
+Where dispatch runs the program's choice slower than Megatron's plan, the layouts are moved toward
+it a group at a time while the replayed step gets faster (``_descend``).
+
+``Layouts`` holds the choice (``params``, ``outputs``, ``plan()``: a ``shoal.Plan``), the predicted
+seconds by kind, as dispatch runs it, and the solve time. ``fixed=`` prices a given parameter layout
+(Megatron's: ``megatron``) with the same program, the ops' signatures left free: the two are
+comparable.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
+import functools
+import inspect
 import itertools
 import math
 import re
@@ -36,7 +47,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..boxing.planner import level_bytes
@@ -46,15 +59,16 @@ from ..dispatch.key import _template
 from ..mesh import Mesh
 from ..models import gpt
 from ..ops.registry import lookup
-from ..parallel import Plan
-from ..sbp import Broadcast, NdSBP, Split, normalize_sbp, sbp_str
+from ..parallel import Plan, _is_layout
+from ..sbp import Broadcast, NdSBP, Split, normalize_sbp, reduced, sbp_str
 from ..spec import TensorSpec
-from ..world import is_initialized, world
+from ..tensor import _has_sum
+from ..world import meta_world
 from .cluster import Cluster
 from .profile import OpCost, _layout, _Ops, gpt_config
 from .simulate import _STATES, _UPDATE, DTYPES, _op_seconds
 
-__all__ = ["Layouts", "Graph", "trace", "solve", "megatron", "gpt_layouts", "box_seconds"]
+__all__ = ["Layouts", "Graph", "trace", "solve", "megatron", "gpt_layouts", "box_seconds", "box_steps"]
 
 _B = Broadcast()
 _KINDS = ("compute", "communication", "optimizer")
@@ -88,6 +102,8 @@ class Graph:
     params: dict[str, int]
     grads: dict[str, int]
     args: list[int]  # the values of the module's tensor arguments
+    results: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)  # value -> (submodule, k)
+    grads_at: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)  # op index -> (value, grad)
 
 
 class _Recorder(_Ops):
@@ -155,17 +171,75 @@ def trace(module: nn.Module, args: Sequence, mesh_shape: Sequence[int], *, input
     shape_only = SimpleNamespace(shape=mesh_shape)  # signatures read the mesh's shape only
     rec = _Recorder(dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with rec:  # autograd.grad, not backward: no AccumulateGrad copies (the recorder holds every gradient)
-        grads = torch.autograd.grad(_loss(model(*args)), [p for _, p in named], allow_unused=True)
-    for func, a, kw, out, cost in rec.calls:
+    results: dict[int, tuple[str, int]] = {}  # id of a submodule's result -> (its name, which result)
+    grads_at: list = []  # (how many ops ran, a submodule's result, its gradient) as backward makes it
+    hooks = [mod.register_forward_hook(functools.partial(_result, name, results, grads_at, rec, keep))
+             for name, mod in model.named_modules() if name]
+    try:  # autograd.grad, not backward: no AccumulateGrad copies (the recorder holds every gradient)
+        with rec, _AsOnCPU():
+            grads = torch.autograd.grad(_loss(model(*args)), [p for _, p in named], allow_unused=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    events = {}
+    for at, res, gr in grads_at:
+        events.setdefault(at, []).append((res, gr))
+    for i, call in enumerate((*rec.calls, None)):
+        for res, gr in events.get(i, ()):  # a result's gradient, made by the calls before the i-th
+            if id(gr) in ids:
+                g.grads_at.setdefault(len(g.ops), []).append((ids[id(res)], ids[id(gr)]))
+        if call is None:
+            break
+        func, a, kw, out, cost = call
         ins = tuple(ids[id(t)] if id(t) in ids else new(t, rep) for t in _tensors(a, kw))
         outs_t = _tensors(out if isinstance(out, (tuple, list)) else (out,))
         sigs = tuple(s for s in signatures(func, a, kw, shape_only) if len(s[1]) == len(outs_t))
         if not sigs:  # no rule, a value op: dispatch runs it once on Broadcast inputs
             sigs = (((rep,) * len(ins), (rep,) * len(outs_t)),)
         g.ops.append(_Op(func.overloadpacket.__name__, func, a, kw, ins, tuple(new(t) for t in outs_t), sigs, cost))
+        g.results.update((ids[id(t)], results[id(t)]) for t in outs_t if id(t) in results)
     g.grads = {n: ids[id(gr)] for (n, _), gr in zip(named, grads) if gr is not None and id(gr) in ids}
     return g
+
+
+class _AsOnCPU(TorchFunctionMode):
+    """Attention as dispatch meets it on shoal's CPU devices (and in a meta world, whose tensors are
+    the CPU's): ``F.scaled_dot_product_attention`` without a mask or dropout runs CPU's fused kernel,
+    which the meta device would decompose into products and a softmax."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            a = _SDPA.bind(*args, **kwargs).arguments
+            q = a["query"]
+            if (a.get("attn_mask") is None and not a.get("dropout_p") and not a.get("enable_gqa") and q.dim() == 4
+                    and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)):
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, a["key"], a["value"], 0.0, bool(a.get("is_causal", False)), scale=a.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+_SDPA = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d) for n, d in (
+    ("query", None), ("key", None), ("value", None), ("attn_mask", None), ("dropout_p", 0.0),
+    ("is_causal", False), ("scale", None), ("enable_gqa", False))])
+
+
+def _result(name: str, results: dict, grads_at: list, rec: _Recorder, keep: list, mod, args, out):
+    """A forward hook of ``trace``: each tensor a submodule returns is passed on as a view of it (a value
+    of its own, as an output pin's result is), noted with the gradient backward gives it."""
+    def one(t, k):
+        if not isinstance(t, torch.Tensor):
+            return t
+        v = t.view_as(t)
+        keep.append(v)
+        results[id(v)] = (name, k)
+        if v.requires_grad:
+            v.register_hook(lambda gr, v=v: grads_at.append((len(rec.calls), v, gr)) or keep.append(gr))
+        return v
+
+    if isinstance(out, tuple):
+        return tuple(one(t, k) for k, t in enumerate(out))
+    return one(out, 0)
 
 
 def _share(sig, mesh_shape) -> float:
@@ -183,13 +257,18 @@ def box_seconds(cluster: Cluster, mesh_shape: tuple[int, ...], shape: tuple[int,
     """Seconds to relay a tensor from ``src`` to ``dst``: the boxing planner's steps (what dispatch runs),
     each a collective over its mesh axis priced by the cluster (axis ``a``'s groups are devices
     ``prod(mesh_shape[a+1:])`` apart) on the bytes its group works on; local slices are free."""
-    t, state = 0.0, src
+    return sum(cluster.collective(kind, nbytes, mesh_shape[axis], math.prod(mesh_shape[axis + 1:]))
+               for kind, nbytes, axis in box_steps(mesh_shape, shape, itemsize, src, dst))
+
+
+def box_steps(mesh_shape: tuple[int, ...], shape: tuple[int, ...], itemsize: int, src: NdSBP, dst: NdSBP):
+    """The collectives of relaying a tensor from ``src`` to ``dst`` (the boxing planner's steps that
+    move data): (kind, bytes of the tensor its group works on, mesh axis) each."""
+    state = src
     for st in box_plan(mesh_shape, shape, itemsize, src, dst):
         if st.kind not in _FREE:
-            t += cluster.collective(st.kind, level_bytes(state, mesh_shape, st.axis, shape, itemsize),
-                                    mesh_shape[st.axis], math.prod(mesh_shape[st.axis + 1:]))
+            yield st.kind, level_bytes(state, mesh_shape, st.axis, shape, itemsize), st.axis
         state = state[:st.axis] + (st.dst,) + state[st.axis + 1:]
-    return t
 
 
 def _param_options(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[NdSBP]:
@@ -280,11 +359,13 @@ class _Program:
 class _Pricer:
     """Seconds on ``cluster`` for a mesh of ``mesh_shape``: an op under a signature, a relayout, an update."""
 
-    def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...], precision: str) -> None:
+    def __init__(self, cluster: Cluster, mesh_shape: tuple[int, ...], precision: str,
+                 log: list | None = None) -> None:
         self.cluster, self.mesh_shape, self.precision = cluster, mesh_shape, precision
         self.itemsize = torch.finfo(DTYPES[precision]).bits // 8
         self.peak = cluster.peak(precision)
         self._box: dict = {}
+        self.log = log  # where each relayout's collectives are listed (``box_steps``), if given
 
     def op(self, cost: OpCost | None, sig) -> float:
         """An op's time unsplit (``simulate``'s model), its work beyond a kernel launch cut by ``_share``."""
@@ -296,6 +377,8 @@ class _Pricer:
 
     def box(self, shape: tuple[int, ...], src: NdSBP, dst: NdSBP) -> float:
         key = (shape, src, dst)
+        if self.log is not None:
+            self.log += box_steps(self.mesh_shape, shape, self.itemsize, src, dst)
         if key not in self._box:
             self._box[key] = 0.0 if src == dst else box_seconds(self.cluster, self.mesh_shape, shape, self.itemsize,
                                                                 src, dst)
@@ -308,45 +391,54 @@ class _Pricer:
 
 @dataclass
 class Layouts:
-    """The chosen layouts: ``params`` (every parameter's nd-SBP), for the module's tensor arguments
-    in ``inputs``; ``seconds`` predicted for one step
-    with every op in the program's signature, and ``breakdown`` by compute / communication /
-    optimizer; ``ops``: op name -> (how many run split on some axis, how many); ``dispatched``: the
-    breakdown of the step as dispatch's ``decide`` runs it under ``plan()`` (None without a world of
-    the mesh's devices); ``solve_seconds``, the program's size."""
+    """The chosen layouts: ``params`` (every parameter's nd-SBP) and ``outputs`` (submodules' output
+    pins), for the module's tensor arguments in ``inputs``; ``seconds`` predicted for one step under
+    ``params`` with every op in the program's signature, and ``breakdown`` by compute / communication
+    / optimizer; ``optimum``: the program's price of the layouts it chose itself, before they were
+    moved toward those dispatch runs faster (``solve``); ``ops``: op name -> (how many run split on
+    some axis, how many); ``dispatched``: the breakdown of the step as dispatch's ``decide`` runs it
+    under ``plan()``; ``solve_seconds``, the program's size."""
 
     params: dict[str, NdSBP]
     inputs: list[NdSBP]  # the layouts of the module's tensor arguments, as given
+    outputs: dict  # submodule name -> the layout its results are pinned to (a Plan's ``outputs``)
     seconds: float
+    optimum: float  # the program's price of its own layouts (``seconds`` is that of ``params``)
     breakdown: dict[str, float]
     ops: dict[str, tuple[int, int]]
-    dispatched: dict[str, float] | None
+    dispatched: dict[str, float]
     solve_seconds: float
     variables: int
     constraints: int
+
+    @property
+    def run_seconds(self) -> float:
+        """A step's seconds as dispatch runs ``plan()`` (``dispatched``'s sum)."""
+        return sum(self.dispatched.values())
 
     def plan(self) -> Plan:
         """A ``shoal.Plan`` of these layouts (Broadcast parameters left out: the default), the module's
         tensor arguments laid out as ``inputs`` (positional arguments, all tensors)."""
         params = {n: lay for n, lay in self.params.items() if any(s != _B for s in lay)}
         split = any(s != _B for lay in self.inputs for s in lay)
-        return Plan(params=params, inputs={"": list(self.inputs)} if split else {})
+        return Plan(params=params, inputs={"": list(self.inputs)} if split else {}, outputs=_grouped(self.outputs))
 
     def explain(self, versus: Layouts | None = None, name: str = "Megatron's") -> str:
         def ms(b: dict) -> str:
             return f"{sum(b.values()) * 1e3:.3f} ms (" + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in b.items()) + ")"
 
-        lines = [f"per-op layouts: {ms(self.breakdown)}; solved in {self.solve_seconds:.2f} s ({self.variables} "
-                 f"variables, {self.constraints} rows)"]
-        if self.dispatched is not None:
-            lines.append(f"  as dispatch runs plan(): {ms(self.dispatched)}")
+        lines = [f"per-op layouts: {ms(self.breakdown)} (the program's own: {self.optimum * 1e3:.3f} ms); solved in "
+                 f"{self.solve_seconds:.2f} s ({self.variables} variables, {self.constraints} rows)",
+                 f"  as dispatch runs plan(): {ms(self.dispatched)}"]
         lines += [f"  {n}: {sbp_str(lay)}" for n, lay in _grouped(self.params).items()]
+        lines += [f"  outputs of {n}: {sbp_str(lay) if _is_layout(lay) else lay}"
+                  for n, lay in _grouped(self.outputs).items()]
         if versus is not None:
             diff = sum(self.params[n] != versus.params[n] for n in self.params)
-            lines.append(f"  {name} layouts: {ms(versus.breakdown)}" + (
-                f"; as dispatch runs them: {ms(versus.dispatched)}" if versus.dispatched is not None else ""))
-            lines.append(f"  the program lays out {diff} parameter(s) otherwise, "
-                         f"{100 * (1 - self.seconds / versus.seconds):.1f}% faster by the program's prices")
+            lines.append(f"  {name} layouts: {ms(versus.breakdown)}; as dispatch runs them: {ms(versus.dispatched)}")
+            lines.append(f"  {diff} parameter(s) laid out otherwise, {100 * (1 - self.seconds / versus.seconds):.1f}% "
+                         f"faster by the program's prices, {100 * (1 - self.run_seconds / versus.run_seconds):.1f}% "
+                         f"as dispatch runs them")
         return "\n".join(lines)
 
 
@@ -363,10 +455,15 @@ def _grouped(params: dict[str, NdSBP]) -> dict[str, NdSBP]:
 
 def solve(module: nn.Module, args: Sequence, cluster: Cluster, mesh_shape: Sequence[int], *,
           inputs: Sequence | None = None, precision: str = "fp32", fixed: Mapping | None = None,
-          memory: float | None = None, time_limit: float = 60.0) -> Layouts:
+          outputs: Mapping | None = None, toward: Plan | None = None, memory: float | None = None,
+          time_limit: float = 60.0) -> Layouts:
     """The cheapest layout of every parameter of ``module`` (and signature of every op) for a step of
     ``module(*args)`` on a mesh of ``mesh_shape`` devices of ``cluster``. ``fixed``: parameter name
     patterns -> layouts (a ``Plan``'s ``params``; unmatched: Broadcast) to price instead of choosing;
+    ``outputs``: submodules' output pins (a ``Plan``'s ``outputs``) to run dispatch with; by default
+    the program pins the submodules' results where it lays them out and then (without ``fixed``)
+    moves its layouts and pins toward the plan ``toward`` (Megatron's) while dispatch runs the step
+    faster (``_descend``), the layouts it ends at priced by the program again;
     ``memory``: bytes of parameter states per device (default the cluster's); ``precision``: the dtype
     priced (bytes, peak rate, optimizer states)."""
     t0 = time.perf_counter()
@@ -423,35 +520,180 @@ def solve(module: nn.Module, args: Sequence, cluster: Cluster, mesh_shape: Seque
         counts = ops.setdefault(op.name, [0, 0])
         counts[0] += _share(sig, ms) < 1
         counts[1] += 1
-    return Layouts(params, [g.fixed[v] for v in g.args], sum(breakdown.values()), breakdown,
-                   {k: tuple(v) for k, v in ops.items()}, _dispatched(g, params, pr), time.perf_counter() - t0,
+    if outputs is not None:
+        outputs, dispatched = _run(g, params, pr, outputs)
+    else:  # pins at the program's layouts of the submodules' results, moved toward ``toward`` if that helps
+        pins = _chosen_pins(g, {v: next(lay for lay, cols in layout[v].items() if x[cols].sum() > 0.5)
+                                for v in g.results})
+
+        def fits(p: dict) -> bool:
+            return sum(_local_numel(g.shapes[v], p[n], ms) for n, v in g.params.items()) * state_bytes <= memory
+
+        tuned, outputs, dispatched = _descend(g, pr, params, pins, toward if fixed is None else None, fits)
+        if tuned != params:  # the program prices the layouts dispatch runs fastest
+            again = solve(module, args, cluster, mesh_shape, inputs=inputs, precision=precision, fixed=tuned,
+                          outputs=outputs, memory=memory, time_limit=time_limit)
+            again.solve_seconds, again.optimum = time.perf_counter() - t0, sum(breakdown.values())
+            return again
+    seconds = sum(breakdown.values())
+    return Layouts(params, [g.fixed[v] for v in g.args], outputs, seconds, seconds, breakdown,
+                   {k: tuple(v) for k, v in ops.items()}, dispatched, time.perf_counter() - t0,
                    len(prog.lb), len(prog.rows))
 
 
-def _dispatched(g: Graph, params: dict[str, NdSBP], pr: _Pricer) -> dict[str, float] | None:
-    """The step priced as shoal runs it under ``params``: each op's signature from dispatch's own
-    ``decide``, which weighs only the boxing of that op's inputs (the program weighs the whole step);
-    an op it decomposes is replayed part by part (torch's decomposition, each part decided alike), one
-    it runs replicated is priced replicated. None without a world holding the mesh's devices."""
+def _chosen_pins(g: Graph, chosen: dict[int, NdSBP]) -> dict:
+    """A ``Plan``'s ``outputs`` from each submodule result's layout in ``chosen`` (a submodule run twice
+    in two layouts is left unpinned)."""
+    per: dict[str, dict[int, NdSBP | None]] = {}
+    for v, (name, k) in g.results.items():
+        seen = per.setdefault(name, {})
+        seen[k] = chosen[v] if seen.get(k, chosen[v]) == chosen[v] else None
+    return {name: ks[0] if list(ks) == [0] else tuple(ks.get(k) for k in range(max(ks) + 1))
+            for name, ks in per.items() if any(lay is not None for lay in ks.values())}
+
+
+def _run(g: Graph, params: dict[str, NdSBP], pr: _Pricer, pins: Mapping):
+    """(``pins`` less those that move nothing, the step's breakdown as dispatch runs it under
+    ``params`` and ``pins``)."""
+    breakdown, moved = _dispatched(g, params, pr, pins)
+    kept = {}
+    for key, lay in pins.items():
+        hits = [k for name, k in moved if _matches(name, key)]
+        if hits:
+            kept[key] = lay if _is_layout(lay) else tuple(one if k in hits else None for k, one in enumerate(lay))
+    return kept, breakdown
+
+
+def _descend(g: Graph, pr: _Pricer, params: dict[str, NdSBP], pins: dict, toward: Plan | None, fits):
+    """Dispatch decides each op by its own inputs' boxing and does not follow the program through
+    backward, so the program's layouts can run slower than they price. Starting from the better of
+    the program's parameter layouts and ``toward``'s (Megatron's), each with the program's pins,
+    ``toward``'s or none, set a group of parameters (a ``ModuleList``'s items alike) to the other's
+    layouts, drop a group of pins, or add one of ``toward``'s, one at a time while the step as
+    dispatch runs it gets faster, the parameters' states fitting (``fits``). Without ``toward`` the
+    parameter layouts stay and only pins move. Returns (parameter layouts, pins, breakdown)."""
+    nd = len(g.mesh_shape)
+    goal = params if toward is None else {
+        n: normalize_sbp(_layout(toward.params, n) or (_B,) * nd, nd, len(g.shapes[v]), n)
+        for n, v in g.params.items()}
+    toward = toward or Plan()
+
+    def seconds(p, q):
+        return sum(_dispatched(g, p, pr, q)[0].values())
+
+    starts = [(p, q) for p in (params, goal) if fits(p) for q in (pins, {}, dict(toward.outputs))]
+    now = min(((p, q, seconds(p, q)) for p, q in starts), key=lambda r: r[2])
+    groups: dict[str, list[str]] = {}
+    for n in params:
+        groups.setdefault(_item_pattern(n), []).append(n)
+    for _ in range(4):  # passes over every move, each taken as soon as it helps
+        better = False
+        moves = [(lambda p, q, ns=ns, to=to: ({**p, **{n: to[n] for n in ns}}, q))
+                 for ns in groups.values() for to in (params, goal)]
+        moves += [(lambda p, q, key=key: (p, {k: v for k, v in q.items() if _item_pattern(k) != key}))
+                  for key in {_item_pattern(k) for k in now[1]}]
+        moves += [(lambda p, q, key=key: (p, {**{k: v for k, v in q.items() if not _matches(k, key)},
+                                              key: toward.outputs[key]})) for key in toward.outputs]
+        for move in moves:
+            p, q = move(now[0], now[1])
+            if (p == now[0] and q == now[1]) or not fits(p):
+                continue
+            t = seconds(p, q)
+            if t < now[2] * (1 - 1e-9):
+                now, better = (p, q, t), True
+        if not better:
+            break
+    return (now[0], *_run(g, now[0], pr, now[1]))
+
+
+def _item_pattern(name: str) -> str:
+    """``name`` with a ``ModuleList`` item's index as ``*`` ("blocks.3.attn" -> "blocks.*.attn")."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def _matches(name: str, key: str) -> bool:
+    """Whether a ``Plan``'s submodule key (a name or an fnmatch pattern) names submodule ``name``."""
+    return name == key or (_pattern(key) and fnmatch.fnmatchcase(name, key))
+
+
+def _pattern(key: str) -> bool:
+    return any(c in key for c in "*?[")
+
+
+def _dispatched(g: Graph, params: dict[str, NdSBP], pr: _Pricer,
+                outputs: Mapping | None = None) -> tuple[dict[str, float], set]:
+    """The step priced as shoal runs it under ``params`` and the output pins ``outputs`` (a ``Plan``'s:
+    submodule name or pattern -> layout(s)): each op's signature from dispatch's own ``decide``,
+    which weighs only the boxing of that op's inputs (the program weighs the whole step); an op it
+    decomposes is replayed part by part (torch's decomposition, each part decided alike), one it runs
+    replicated is priced replicated. A value's first conversion out of a Partial sum is remembered
+    and later ones start from it (``GlobalTensor._shards_as``). A pin that moves its value boxes it
+    there, and its gradient back to the layout the value came in (Partial reduced), as
+    ``to_global``'s backward does. Returns the breakdown and the (submodule, result) pins that moved
+    something. Dispatch decides in a world of the mesh's meta devices (``world.meta_world``)."""
     size = math.prod(g.mesh_shape)
-    if not is_initialized() or world().size < size:
-        return None
-    mesh = Mesh(np.arange(size).reshape(g.mesh_shape).tolist())
+    with meta_world(size):
+        return _replay(g, params, pr, outputs, Mesh(np.arange(size).reshape(g.mesh_shape).tolist()))
+
+
+def _replay(g: Graph, params: dict[str, NdSBP], pr: _Pricer, outputs: Mapping | None, mesh: Mesh):
     out = dict.fromkeys(_KINDS, 0.0)
     lay = dict(g.fixed) | {g.params[n]: p for n, p in params.items()}
-    for op in g.ops:
-        now = [lay[v] for v in op.ins]
-        lay.update(zip(op.outs, _decided(op.func, op.args, op.kwargs, op.cost, now, len(op.outs), mesh, pr, out)))
+    pins = _pins(g, outputs or {})
+    came: dict[int, NdSBP] = {}  # a pinned value -> the layout dispatch gave it
+    resolved: dict[int, NdSBP] = {}  # a Partial value -> where its first conversion out of Partial put it
+    moved = set()
+
+    def box(v: int, dst: NdSBP) -> None:
+        src = lay[v]
+        if src == dst:
+            return
+        out["communication"] += pr.box(g.shapes[v], resolved.get(v, src), dst)
+        if v not in resolved and _has_sum(src) and not _has_sum(dst):
+            resolved[v] = dst
+
+    def relaid(v: int, dst: NdSBP) -> None:  # a new tensor of the same value (to_global): no memo
+        box(v, dst)
+        lay[v] = dst
+        resolved.pop(v, None)
+
+    for i, op in enumerate((*g.ops, None)):
+        for res, grad in g.grads_at.get(i, ()):
+            if res in came:
+                relaid(grad, reduced(came[res]))
+        if op is None:
+            break
+        lay.update(zip(op.outs, _decided(op.func, op.args, op.kwargs, op.cost, [lay[v] for v in op.ins],
+                                         len(op.outs), mesh, pr, out, lambda k, dst, ins=op.ins: box(ins[k], dst))))
+        for v in op.outs:
+            if pins.get(v, lay[v]) != lay[v]:
+                came[v] = lay[v]
+                moved.add(g.results[v])
+                relaid(v, pins[v])
     for name, v in g.grads.items():
-        out["communication"] += pr.box(g.shapes[v], lay[v], params[name])
+        box(v, params[name])
     for name, v in g.params.items():
         out["optimizer"] += pr.update(g.shapes[v], params[name])
-    return out
+    return out, moved
 
 
-def _decided(func, args, kwargs, cost, now: list, n_out: int, mesh: Mesh, pr: _Pricer, out: dict) -> list[NdSBP]:
+def _pins(g: Graph, outputs: Mapping) -> dict[int, NdSBP]:
+    """Value -> the layout ``outputs`` (submodule name or fnmatch pattern -> one layout, or one per
+    result, None: left as it is) pins it to; the last matching pattern wins, as its hook runs last."""
+    pins = {}
+    for v, (name, k) in g.results.items():
+        for pattern, lay in outputs.items():
+            if _matches(name, pattern):
+                one = lay if _is_layout(lay) else lay[k] if k < len(lay) else None
+                if one is not None:
+                    pins[v] = normalize_sbp(one, len(g.mesh_shape), len(g.shapes[v]), f"outputs of {name!r}")
+    return pins
+
+
+def _decided(func, args, kwargs, cost, now: list, n_out: int, mesh: Mesh, pr: _Pricer, out: dict,
+             box) -> list[NdSBP]:
     """Price one call (``n_out`` tensor results) as dispatch runs it on inputs laid out as ``now``, into
-    ``out``; the layouts of its results."""
+    ``out``, ``box(k, layout)`` moving its k-th input; the layouts of its results."""
     tensors: list = []
     targs = tuple(_template(a, tensors, []) for a in args)
     tkwargs = {key: _template(a, tensors, []) for key, a in kwargs.items()}
@@ -460,20 +702,20 @@ def _decided(func, args, kwargs, cost, now: list, n_out: int, mesh: Mesh, pr: _P
     d = decide(func, targs, tkwargs, specs, mesh)
     rep = (_B,) * mesh.ndim
     if d.kind == "decompose":
-        return _decomposed(func, args, kwargs, tensors, now, mesh, pr, out)
+        return _decomposed(func, args, kwargs, tensors, now, mesh, pr, out, box)
     if d.kind == "rule":
         ins, outs = tuple(s.sbp for s in d.in_specs), tuple(s.sbp for s in d.out_specs)
     else:
         ins, outs = (rep,) * len(tensors), (rep,) * n_out
-    for t, src, dst in zip(tensors, now, ins):
-        out["communication"] += pr.box(tuple(t.shape), src, dst)
+    for k, dst in enumerate(ins):
+        box(k, dst)
     out["compute"] += pr.op(cost, (ins, outs))
     return list(outs)
 
 
-def _decomposed(func, args, kwargs, tensors, now, mesh, pr, out) -> list[NdSBP]:
+def _decomposed(func, args, kwargs, tensors, now, mesh, pr, out, box) -> list[NdSBP]:
     """Dispatch runs ``func`` in parts (``execute.run_decomposed``: the rule's decomposition, else
-    torch's): the parts, recorded on meta, each decided."""
+    torch's): the parts, recorded on meta, each decided (the call's own inputs boxed by ``box``)."""
     rule = lookup(func)
     fn = rule.decomposition if rule is not None and rule.decomposition is not None else _decomposition(func)
     rec = _Recorder(DTYPES[pr.precision])
@@ -482,20 +724,31 @@ def _decomposed(func, args, kwargs, tensors, now, mesh, pr, out) -> list[NdSBP]:
         with rec:
             res = fn(*args, **kwargs)
         lay = {id(t): s for t, s in zip(tensors, now)}
+        outer = {id(t): k for k, t in enumerate(tensors)}
+        rep = (_B,) * mesh.ndim
         for f, a, kw, o, cost in rec.calls:
             ins = _tensors(a, kw)
             outs = _tensors(o if isinstance(o, (tuple, list)) else (o,))
-            got = _decided(f, a, kw, cost, [lay.get(id(t), (_B,) * mesh.ndim) for t in ins], len(outs), mesh, pr, out)
+            now_in = [lay.get(id(t), rep) for t in ins]
+
+            def part_box(k, dst, ins=ins, now_in=now_in):
+                if id(ins[k]) in outer:
+                    box(outer[id(ins[k])], dst)
+                elif now_in[k] != dst:
+                    out["communication"] += pr.box(tuple(ins[k].shape), now_in[k], dst)
+
+            got = _decided(f, a, kw, cost, now_in, len(outs), mesh, pr, out, part_box)
             lay.update({id(t): s for t, s in zip(outs, got)})
     finally:
         _DECOMPOSING.discard(func)
     return [lay.get(id(t), (_B,) * mesh.ndim) for t in _tensors(res if isinstance(res, (tuple, list)) else (res,))]
 
 
-def megatron(model: nn.Module, tp: int) -> dict:
-    """The bundled GPT's Megatron parameter layouts on a ``tp`` mesh (``models.gpt.plans``), by pattern."""
+def megatron(model: nn.Module, tp: int) -> Plan:
+    """The bundled GPT's Megatron plan on a ``tp`` mesh (``models.gpt.plans``): its parameter layouts
+    and output pins, by pattern."""
     gpt_config(model)
-    return dict(gpt.plans((tp,), "tp").params)
+    return gpt.plans((tp,), "tp")
 
 
 def gpt_layouts(model: nn.Module, cluster: Cluster, tp: int, *, batch: int, seq: int | None = None,
@@ -512,16 +765,21 @@ def gpt_layouts(model: nn.Module, cluster: Cluster, tp: int, *, batch: int, seq:
         with torch.device("meta"):
             twin = gpt.GPT(dataclasses.replace(cfg, n_layer=layers))
     idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    out = tuple(solve(twin, (idx, idx), cluster, (tp,), precision=precision, memory=memory, fixed=fixed)
-                for fixed in (None, megatron(model, tp)))
+    mega = megatron(model, tp)
+    out = tuple(solve(twin, (idx, idx), cluster, (tp,), precision=precision, memory=memory, fixed=fixed,
+                      outputs=outputs, toward=mega)
+                for fixed, outputs in ((None, None), (mega.params, mega.outputs)))
     if twin is not model:
         def name_in_twin(name: str) -> str:  # block i of n: the twin's first, a middle one, or its last
             if not name.startswith("blocks."):
                 return name
-            _, i, rest = name.split(".", 2)
+            _, i, *rest = name.split(".", 2)
             j = 0 if i == "0" else layers - 1 if int(i) == n - 1 else min(1, layers - 1)
-            return f"blocks.{j}.{rest}"
+            return ".".join(("blocks", str(j), *rest))
 
         for lay in out:
             lay.params = {name: lay.params[name_in_twin(name)] for name, _ in model.named_parameters()}
+            lay.outputs = {**{k: v for k, v in lay.outputs.items() if _pattern(k)},
+                           **{name: lay.outputs[name_in_twin(name)] for name, _ in model.named_modules()
+                              if name and name_in_twin(name) in lay.outputs and not _pattern(name_in_twin(name))}}
     return out

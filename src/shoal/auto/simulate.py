@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -112,23 +113,31 @@ class Estimate:
         for k, v in sorted(self.memory.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {k:<22} {byte_size(v):>12}")
         if self.layouts is not None:
-            lines += _layouts_lines(*self.layouts, c.tp)
+            lines += _layouts_lines(*self.layouts, c.tp, c.sequence_parallel)
         if self.runner_up is not None:
             lines.append(f"  runner-up {self.runner_up.cfg}: {self.runner_up.step_seconds:.3f} s "
                          f"({self.runner_up.tflops_per_device:.1f} TFLOP/s); it lost by " + _why(self, self.runner_up))
         return "\n".join(lines)
 
 
-def _layouts_lines(best, megatron, tp: int) -> list[str]:
-    """What the integer program's per-op layouts for a tp group would change (``search``)."""
+def _layouts_lines(best, megatron, tp: int, sp: bool) -> list[str]:
+    """What the integer program's per-op layouts for a tp group would change (``search``; priced without
+    sequence parallelism, whose pins ``to_plan`` keeps, laying out the parameters alone)."""
     differ = [n for n in best.params if best.params[n] != megatron.params[n]]
     kinds = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in differ})
+    pins = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in best.outputs})
+    ahead = best.run_seconds < megatron.run_seconds
     return [f"  per-op layouts of a tp group of {tp} (integer program, a micro-batch through a twin of at most 3 "
-            f"layers): {best.seconds * 1e3:.3f} ms against Megatron's pattern {megatron.seconds * 1e3:.3f} ms "
-            f"({100 * (1 - best.seconds / megatron.seconds):.1f}% less), solved in {best.solve_seconds:.1f} s",
+            f"layers, solved in {best.solve_seconds:.1f} s): {best.seconds * 1e3:.3f} ms against Megatron's pattern "
+            f"{megatron.seconds * 1e3:.3f} ms by the program's prices; as dispatch runs the two plans "
+            f"{best.run_seconds * 1e3:.3f} ms against {megatron.run_seconds * 1e3:.3f} ms "
+            f"({100 * (1 - best.run_seconds / megatron.run_seconds):+.1f}%)",
             f"    {len(differ)} of {len(best.params)} parameters laid out otherwise"
-            + (f": {', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''}" if kinds else "")
-            + "; to_plan(..., layouts=est.layouts[0].params) lays them out"]
+            + (f" ({', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''})" if kinds else "")
+            + f", outputs pinned at {', '.join(pins) if pins else 'none'}; "
+            + ("to_plan(..., layouts=est.layouts[0]) lays them out" + (" (the parameters: sp keeps its own pins)"
+                                                                       if sp else "") if ahead else
+               "Megatron's pattern (to_plan without layouts) runs faster")]
 
 
 def _why(best: Estimate, other: Estimate) -> str:
