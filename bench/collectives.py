@@ -4,7 +4,8 @@ Two processes x 1 device (gloo, CPU), one thread each; a float32 tensor of N MiB
 ``S(0) -> B`` (an all-gather), ``P -> S(0)`` (a reduce-scatter) and ``P -> B`` (an all-reduce), each
 beside torch.distributed's ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` on
 the same bytes, and beside an all-reduce of the whole tensor (how shoal gathered and reduce-scattered
-across processes before: a zero-padded whole summed). Medians of ``--reps`` calls.
+across processes before: a zero-padded whole summed; until 2026-12-07 still so for uneven splits,
+the "rows odd" rows). Medians of ``--reps`` calls.
 Usage: python bench/collectives.py [--reps N]   (launches itself with ``shoal run -n 2``)
 """
 
@@ -66,6 +67,17 @@ def one_size(mib: int, mesh, reps: int, rank: int) -> None:
             ("P -> S(0)", lambda: resolve(S(0)),
              lambda: scatter(torch.empty_like(half), whole)),
             ("P -> B", lambda: resolve(B), lambda: dist.all_reduce(whole.clone()))]
+    # an odd row count splits unevenly (one more row on rank 0): shoal pads the shorter block; torch's
+    # calls beside it move the same padded blocks
+    odd = whole[:-1]
+    split_odd, partial_odd = shoal.to_global(odd, mesh, S(0)), make_global(odd, mesh, P)
+
+    def resolve_odd(sbp):
+        partial_odd._resolved = None
+        return partial_odd.to_global(mesh, sbp)
+
+    rows += [("S(0) -> B, rows odd", lambda: split_odd.to_global(mesh, B), lambda: gather(out, half)),
+             ("P -> S(0), rows odd", lambda: resolve_odd(S(0)), lambda: scatter(torch.empty_like(half), whole))]
     padded = median_ms(lambda: dist.all_reduce(whole.clone()), reps)
     for name, ours, theirs in rows:
         a, b = median_ms(ours, reps), median_ms(theirs, reps)

@@ -42,19 +42,21 @@ for src, dst, sa, sb in [((2,), (3,), S(0), S(1)), ((3,), (2, 2), P, [S(1), B]),
     x = make_global(v, meshes[src], sa)
     assert_same_value(x.to_global(meshes[dst], sb), v, f"{src} {sa} -> {dst} {sb}")
 
-# an even split across processes gathers and reduce-scatters as one collective of equal blocks each
-# (comm.dist's all_gather_blocks / reduce_scatter_blocks), the same value as the general path
+# a split across processes gathers and reduce-scatters as one collective of blocks (comm.dist's
+# all_gather_blocks / reduce_scatter_blocks; uneven ones padded to the longest), the same value as the
+# general path
 from shoal.comm import dist as comm_dist  # noqa: E402
 
 used = {"all_gather_blocks": 0, "reduce_scatter_blocks": 0}
 for name in used:
     real = getattr(comm_dist, name)
     setattr(comm_dist, name, lambda *a, name=name, real=real: used.__setitem__(name, used[name] + 1) or real(*a))
-for dim in (0, 1):
-    v = r(8, 4)
-    assert_same_value(make_global(v, meshes[(4,)], S(dim)).to_global(meshes[(4,)], B), v, f"even S({dim}) -> B")
-    assert_same_value(make_global(v, meshes[(4,)], P).to_global(meshes[(4,)], S(dim)), v, f"even P -> S({dim})")
-assert used["all_gather_blocks"] >= 2 and used["reduce_scatter_blocks"] >= 2, used
+for rows in (8, 7, 5):  # even over 4 devices, and uneven (2 processes: 4 + 3 and 3 + 2 rows)
+    for dim in (0, 1):
+        v = r(rows, 4) if dim == 0 else r(4, rows)
+        assert_same_value(make_global(v, meshes[(4,)], S(dim)).to_global(meshes[(4,)], B), v, f"{rows} S({dim}) -> B")
+        assert_same_value(make_global(v, meshes[(4,)], P).to_global(meshes[(4,)], S(dim)), v, f"{rows} P -> S({dim})")
+assert used["all_gather_blocks"] >= 6 and used["reduce_scatter_blocks"] >= 6, used
 
 # 2. oracle: outputs and gradients on every mesh
 cases = [

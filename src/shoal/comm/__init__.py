@@ -173,14 +173,15 @@ def all_reduce_start(devices: Sequence[int], shards: Shards, op: str = "sum"):
     return finish
 
 
-def _blocks(devices: Sequence[int], sizes: Sequence[int], shards: Shards) -> bool:
-    """Each process's devices are one run of the group, the processes in rank order, every run as
-    large along the dim, and this process holds the shards of its devices: what one all-gather (or
-    reduce-scatter) of equal blocks concatenates (or splits). Else a collective goes through
-    ``gather_along``'s (or an all-reduce's) general path."""
+def _blocks(devices: Sequence[int], sizes: Sequence[int], shards: Shards) -> list[int] | None:
+    """Each process's length along the dim, in rank order, when each process's devices are one run of
+    the group, the processes in rank order, and this process holds the shards of its devices: what
+    one all-gather (or reduce-scatter) of blocks concatenates (or splits), blocks of differing lengths
+    padded to the longest. None otherwise, or where the padding would move more than an all-reduce
+    of the whole: then a collective goes through ``gather_along``'s (or an all-reduce's) general path."""
     w = world()
     if any((s is not None) != w.owns(d) for d, s in zip(devices, shards)):
-        return False
+        return None
     runs: list = []  # [process, its devices' total size]
     for d, n in zip(devices, sizes):
         p = w.process_of(d)
@@ -189,7 +190,10 @@ def _blocks(devices: Sequence[int], sizes: Sequence[int], shards: Shards) -> boo
         else:
             runs.append([p, n])
     procs = [p for p, _ in runs]
-    return procs == sorted(set(procs)) and len({n for _, n in runs}) == 1
+    lengths = [n for _, n in runs]
+    if procs != sorted(set(procs)) or not 0 < len(lengths) * max(lengths) <= 2 * sum(lengths):
+        return None
+    return lengths
 
 
 def _gather_full(devices: Sequence[int], shards: Shards, dim: int, shapes) -> torch.Tensor:
@@ -198,8 +202,9 @@ def _gather_full(devices: Sequence[int], shards: Shards, dim: int, shapes) -> to
     if _all_local(shards):
         return torch.cat(_home(local), dim)
     sizes = [s[dim] for s in shapes]
-    if _blocks(devices, sizes, shards):
-        return _dist.all_gather_blocks(torch.cat(_home(local), dim), dim, _ranks(devices))
+    blocks = _blocks(devices, sizes, shards)
+    if blocks is not None:
+        return _dist.all_gather_blocks(torch.cat(_home(local), dim), dim, _ranks(devices), blocks)
     shape = list(shapes[0])
     shape[dim] = sum(sizes)
     return _dist.gather_along(_home(local)[0].new_zeros(shape), shards, sizes, dim, _ranks(devices))
@@ -233,10 +238,11 @@ def reduce_scatter(devices: Sequence[int], shards: Shards, dim: int, op: str = "
     if not _all_local(shards):
         q, r = divmod(local[0].shape[dim], len(devices))  # each device's part, as ``tensor_split`` cuts
         parts = [q + (i < r) for i in range(len(devices))]
-        if _blocks(devices, parts, shards):  # this process's partial sum, reduce-scattered into its devices' block
+        blocks = _blocks(devices, parts, shards)
+        if blocks is not None:  # this process's partial sum, reduce-scattered into its devices' block
             partial = _reduce(_home(local), op)
             record("reduce_scatter", _nbytes(partial))
-            block = _dist.reduce_scatter_blocks(partial, op, dim, _ranks(devices)).to(local[0].dtype)
+            block = _dist.reduce_scatter_blocks(partial, op, dim, _ranks(devices), blocks).to(local[0].dtype)
             pieces = iter(torch.split(block, [n for n, s in zip(parts, shards) if s is not None], dim))
             return [None if s is None else _on(next(pieces), d) for d, s in zip(devices, shards)]
     total = _reduce_group(devices, shards, op)

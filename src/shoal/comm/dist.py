@@ -78,12 +78,17 @@ def _all_reduce(t: torch.Tensor, op, ranks: Sequence[int]):
     return g.allreduce([t], opts)
 
 
-def all_gather_blocks(block: torch.Tensor, dim: int, ranks: Sequence[int]) -> torch.Tensor:
-    """Every rank's ``block`` (equal shapes) concatenated along ``dim`` in rank order: one all-gather,
-    each rank sending its block once (a ring moves (n-1)/n of the result per rank, half of what
-    ``gather_along``'s all-reduce of a zero-padded whole moves)."""
+def all_gather_blocks(block: torch.Tensor, dim: int, ranks: Sequence[int],
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Every rank's ``block`` concatenated along ``dim`` in rank order: one all-gather, each rank
+    sending its block once (a ring moves (n-1)/n of the result per rank, half of what
+    ``gather_along``'s all-reduce of a zero-padded whole moves). ``sizes``: each rank's length along
+    ``dim`` where they differ (default all as this one's): blocks travel padded to the longest."""
+    n = len(ranks)
+    sizes = [block.shape[dim]] * n if sizes is None else list(sizes)
+    top = max(sizes)
     if _nothing_moves(block, ranks):
-        return torch.cat([block] * len(ranks), dim)
+        return torch.cat([block] * n, dim) if n == 1 or top == min(sizes) else _shaped(block, dim, sum(sizes))
 
     def run(out, w, g):
         if g is dist.group.WORLD:
@@ -91,15 +96,27 @@ def all_gather_blocks(block: torch.Tensor, dim: int, ranks: Sequence[int]) -> to
         else:  # a backend group of shoal's own (``_group``): its own methods
             g._allgather_base(out, w).wait()
 
-    return _on_dim0("all_gather", block, dim, ranks, lambda rows: rows * len(ranks), run)
+    out = _on_dim0("all_gather", _padded(block, dim, top), dim, ranks, lambda rows: rows * n, run)
+    if top == min(sizes):
+        return out
+    if all(k == top for k in sizes[:-1]):  # only the last block is short: the padding ends the buffer
+        return out.narrow(dim, 0, sum(sizes)).contiguous()
+    return torch.cat([out.narrow(dim, i * top, k) for i, k in enumerate(sizes)], dim)
 
 
-def reduce_scatter_blocks(whole: torch.Tensor, op: str, dim: int, ranks: Sequence[int]) -> torch.Tensor:
-    """This rank's block (of ``len(ranks)`` equal ones along ``dim``, in rank order) of the reduction of
-    every rank's ``whole``: one reduce-scatter (half the bytes of an all-reduce of the whole)."""
+def reduce_scatter_blocks(whole: torch.Tensor, op: str, dim: int, ranks: Sequence[int],
+                          sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's block (of ``len(ranks)`` along ``dim``, in rank order: equal, or ``sizes`` long) of
+    the reduction of every rank's ``whole``: one reduce-scatter (half the bytes of an all-reduce of the
+    whole), blocks of differing sizes padded to the longest."""
     n = len(ranks)
+    sizes = [whole.shape[dim] // n] * n if sizes is None else list(sizes)
+    mine = sizes[list(ranks).index(world().rank)] if n > 1 else whole.shape[dim]
     if _nothing_moves(whole, ranks):
-        return whole.tensor_split(n, dim)[0] if n > 1 else whole
+        return whole.narrow(dim, 0, mine)
+    top = max(sizes)
+    if top != min(sizes):
+        whole = torch.cat([_padded(p, dim, top) for p in torch.split(whole, sizes, dim)], dim)
 
     def run(out, w, g):
         if g is dist.group.WORLD:
@@ -109,7 +126,21 @@ def reduce_scatter_blocks(whole: torch.Tensor, op: str, dim: int, ranks: Sequenc
             opts.reduceOp = _OPS[op]
             g._reduce_scatter_base(out, w, opts).wait()
 
-    return _on_dim0("reduce_scatter", whole, dim, ranks, lambda rows: rows // n, run)
+    out = _on_dim0("reduce_scatter", whole, dim, ranks, lambda rows: rows // n, run)
+    return out if top == min(sizes) else out.narrow(dim, 0, mine)
+
+
+def _padded(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``t`` with zeros after it along ``dim`` up to ``length``."""
+    short = length - t.shape[dim]
+    return t if short == 0 else torch.cat([t, _shaped(t, dim, short).zero_()], dim)
+
+
+def _shaped(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """An empty tensor like ``t``, ``length`` long along ``dim``."""
+    shape = list(t.shape)
+    shape[dim] = length
+    return t.new_empty(shape)
 
 
 def _on_dim0(what: str, t: torch.Tensor, dim: int, ranks: Sequence[int], rows, run) -> torch.Tensor:
