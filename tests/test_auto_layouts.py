@@ -232,8 +232,9 @@ def test_an_output_pin_that_moves_a_value_is_priced_as_shoal_runs_it():
     assert _replayed(MLP(d), x, SLOW, tp, pinned)["all_reduce"] >= tokens * d * 4  # the pin's reduction
 
 
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("which", ["program", "megatron"])
-def test_the_replay_of_dispatch_moves_the_bytes_of_the_step_shoal_compiles(which):
+def test_the_replay_of_dispatch_moves_the_bytes_of_the_step_shoal_compiles(which, tp):
     """What ``Layouts.dispatched`` prices (dispatch's decisions, the pins, a Partial value reduced once)
     is what shoal runs: the collectives' bytes of the compiled training step of the same plan (traced in
     a world of meta devices), kind by kind."""
@@ -243,17 +244,13 @@ def test_the_replay_of_dispatch_moves_the_bytes_of_the_step_shoal_compiles(which
     mcfg = GPTConfig(n_layer=1)
     with torch.device("meta"):
         model = GPT(mcfg)
-    best, mega = gpt_layouts(model, A100, 2, batch=4)
+    best, mega = gpt_layouts(model, A100, tp, batch=4)
     lay = best if which == "program" else mega
-    assert lay.outputs and lay.dispatched is not None
-    log = []
+    assert lay.outputs
     idx = torch.zeros(4, mcfg.block_size, dtype=torch.long, device="meta")
-    _dispatched(trace(model, (idx, idx), (2,)), lay.params, _Pricer(A100, (2,), "fp32", log), lay.outputs)
-    replay, real = Counter(), Counter()
-    for kind, nbytes, _ in log:
-        replay[kind] += nbytes
-    with meta_world(2):
-        graph = traced_step(mcfg, auto.Parallel(tp=2, dp=1, pp=1, micro_batch=4, precision="fp32"),
+    replay, real = _replayed(model, (idx, idx), A100, tp, lay), Counter()
+    with meta_world(tp):
+        graph = traced_step(mcfg, auto.Parallel(tp=tp, dp=1, pp=1, micro_batch=4, precision="fp32"),
                             layouts=best if which == "program" else None)
     for c in count(graph):
         real[c.kind] += c.nbytes
