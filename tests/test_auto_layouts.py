@@ -8,6 +8,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import shoal
@@ -230,6 +232,22 @@ def test_an_output_pin_that_moves_a_value_is_priced_as_shoal_runs_it():
     for lay in (pinned, free):
         assert _replayed(MLP(d), x, SLOW, tp, lay) == _compiled(MLP(d), x, tp, lay.plan())
     assert _replayed(MLP(d), x, SLOW, tp, pinned)["all_reduce"] >= tokens * d * 4  # the pin's reduction
+
+
+_LAYOUTS = st.sampled_from([B, S(0), S(1)])
+
+
+@settings(max_examples=20, derandomize=True, database=None, deadline=None, print_blob=False)
+@given(up=_LAYOUTS, down=_LAYOUTS, pins=st.dictionaries(st.sampled_from(["up", "down"]),
+                                                          st.sampled_from([B, S(0), S(1), Partial()]), max_size=2),
+       tp=st.sampled_from([2, 3]))
+def test_drawn_layouts_and_pins_are_replayed_as_shoal_compiles_them(up, down, pins, tp):
+    """Any parameter layouts and output pins of the MLP (Partial pins, and on 3 devices splits that do
+    not divide, included): the replay of dispatch moves the bytes of shoal's compiled step, kind by
+    kind."""
+    x = _args(12, 8)[:1]
+    lay = solve(MLP(8), x, SLOW, (tp,), fixed={"up.weight": up, "down.weight": down}, outputs=pins)
+    assert _replayed(MLP(8), x, SLOW, tp, lay) == _compiled(MLP(8), x, tp, lay.plan())
 
 
 @pytest.mark.parametrize("tp", [2, 4])

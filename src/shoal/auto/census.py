@@ -78,8 +78,10 @@ def count(graph) -> list[Collective]:
         if op.kind != "comm":
             continue
         ids = op.reads or op.out_ids  # or what lands: from an absent process
-        part = max((graph.locals[i].size_bytes for i in ids), default=0)
-        whole = part if op.fn.name in ("all_reduce", "reduce_scatter", "transfer") else part * len(op.devices)
+        sizes = [graph.locals[i].size_bytes for i in ids]
+        part = max(sizes, default=0)
+        whole = part if op.fn.name in ("all_reduce", "reduce_scatter", "transfer") else (
+            sum(sizes) if len(sizes) == len(op.devices) else part * len(op.devices))  # pieces all here, or alike
         if op.fn.name in ("all_reduce", "reduce_scatter") and ids:  # as the reduction crosses processes
             dtype = graph.locals[ids[0]].dtype
             reduction = next((a for a in op.args[2:] if isinstance(a, str)), "sum")
