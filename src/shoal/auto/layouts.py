@@ -638,24 +638,16 @@ def _dispatched(g: Graph, params: dict[str, NdSBP], pr: _Pricer,
 
 def _replay(g: Graph, params: dict[str, NdSBP], pr: _Pricer, outputs: Mapping | None, mesh: Mesh):
     out = dict.fromkeys(_KINDS, 0.0)
-    lay = dict(g.fixed) | {g.params[n]: p for n, p in params.items()}
+    vals = _Values(pr, out, dict(g.fixed) | {g.params[n]: p for n, p in params.items()})
+    lay = vals.lay
     pins = _pins(g, outputs or {})
     came: dict[int, NdSBP] = {}  # a pinned value -> the layout dispatch gave it
-    resolved: dict[int, NdSBP] = {}  # a Partial value -> where its first conversion out of Partial put it
     moved = set()
 
-    def box(v: int, dst: NdSBP) -> None:
-        src = lay[v]
-        if src == dst:
-            return
-        out["communication"] += pr.box(g.shapes[v], resolved.get(v, src), dst)
-        if v not in resolved and _has_sum(src) and not _has_sum(dst):
-            resolved[v] = dst
-
     def relaid(v: int, dst: NdSBP) -> None:  # a new tensor of the same value (to_global): no memo
-        box(v, dst)
+        vals.box(v, g.shapes[v], dst)
         lay[v] = dst
-        resolved.pop(v, None)
+        vals.resolved.pop(v, None)
 
     for i, op in enumerate((*g.ops, None)):
         for res, grad in g.grads_at.get(i, ()):
@@ -663,18 +655,38 @@ def _replay(g: Graph, params: dict[str, NdSBP], pr: _Pricer, outputs: Mapping | 
                 relaid(grad, reduced(came[res]))
         if op is None:
             break
+        memo: dict[int, NdSBP] = {}
         lay.update(zip(op.outs, _decided(op.func, op.args, op.kwargs, op.cost, [lay[v] for v in op.ins],
-                                         len(op.outs), mesh, pr, out, lambda k, dst, ins=op.ins: box(ins[k], dst))))
+                                         len(op.outs), mesh, pr, out,
+                                         lambda k, dst, ins=op.ins: vals.box(ins[k], g.shapes[ins[k]], dst), memo)))
+        vals.resolved.update((op.outs[k], r) for k, r in memo.items())
         for v in op.outs:
             if pins.get(v, lay[v]) != lay[v]:
                 came[v] = lay[v]
                 moved.add(g.results[v])
                 relaid(v, pins[v])
     for name, v in g.grads.items():
-        box(v, params[name])
+        vals.box(v, g.shapes[v], params[name])
     for name, v in g.params.items():
         out["optimizer"] += pr.update(g.shapes[v], params[name])
     return out, moved
+
+
+class _Values:
+    """Values' layouts (``lay``: key -> layout) and, as ``GlobalTensor._shards_as`` remembers, where a
+    Partial-sum value's first conversion out of Partial put it (``resolved``): later conversions start
+    there. ``box`` prices a conversion into ``out``."""
+
+    def __init__(self, pr: _Pricer, out: dict, lay: dict) -> None:
+        self.pr, self.out, self.lay, self.resolved = pr, out, lay, {}
+
+    def box(self, key, shape: tuple[int, ...], dst: NdSBP) -> None:
+        src = self.lay[key]
+        if src == dst:
+            return
+        self.out["communication"] += self.pr.box(shape, self.resolved.get(key, src), dst)
+        if key not in self.resolved and _has_sum(src) and not _has_sum(dst):
+            self.resolved[key] = dst
 
 
 def _pins(g: Graph, outputs: Mapping) -> dict[int, NdSBP]:
@@ -691,9 +703,10 @@ def _pins(g: Graph, outputs: Mapping) -> dict[int, NdSBP]:
 
 
 def _decided(func, args, kwargs, cost, now: list, n_out: int, mesh: Mesh, pr: _Pricer, out: dict,
-             box) -> list[NdSBP]:
+             box, memo: dict | None = None) -> list[NdSBP]:
     """Price one call (``n_out`` tensor results) as dispatch runs it on inputs laid out as ``now``, into
-    ``out``, ``box(k, layout)`` moving its k-th input; the layouts of its results."""
+    ``out``, ``box(k, layout)`` moving its k-th input; the layouts of its results. ``memo`` gets, by
+    result, where a decomposition already reduced a Partial result (``_Values.resolved``)."""
     tensors: list = []
     targs = tuple(_template(a, tensors, []) for a in args)
     tkwargs = {key: _template(a, tensors, []) for key, a in kwargs.items()}
@@ -702,7 +715,7 @@ def _decided(func, args, kwargs, cost, now: list, n_out: int, mesh: Mesh, pr: _P
     d = decide(func, targs, tkwargs, specs, mesh)
     rep = (_B,) * mesh.ndim
     if d.kind == "decompose":
-        return _decomposed(func, args, kwargs, tensors, now, mesh, pr, out, box)
+        return _decomposed(func, args, kwargs, tensors, now, mesh, pr, out, box, {} if memo is None else memo)
     if d.kind == "rule":
         ins, outs = tuple(s.sbp for s in d.in_specs), tuple(s.sbp for s in d.out_specs)
     else:
@@ -713,35 +726,41 @@ def _decided(func, args, kwargs, cost, now: list, n_out: int, mesh: Mesh, pr: _P
     return list(outs)
 
 
-def _decomposed(func, args, kwargs, tensors, now, mesh, pr, out, box) -> list[NdSBP]:
+def _decomposed(func, args, kwargs, tensors, now, mesh, pr, out, box, memo: dict) -> list[NdSBP]:
     """Dispatch runs ``func`` in parts (``execute.run_decomposed``: the rule's decomposition, else
-    torch's): the parts, recorded on meta, each decided (the call's own inputs boxed by ``box``)."""
+    torch's): the parts, recorded on meta, each decided (the call's own inputs boxed by ``box``, the
+    parts' values remembering their reductions as the call's results carry them out in ``memo``)."""
     rule = lookup(func)
     fn = rule.decomposition if rule is not None and rule.decomposition is not None else _decomposition(func)
     rec = _Recorder(DTYPES[pr.precision])
+    rep = (_B,) * mesh.ndim
     _DECOMPOSING.add(func)
     try:
         with rec:
             res = fn(*args, **kwargs)
-        lay = {id(t): s for t, s in zip(tensors, now)}
         outer = {id(t): k for k, t in enumerate(tensors)}
-        rep = (_B,) * mesh.ndim
+        vals = _Values(pr, out, {id(t): s for t, s in zip(tensors, now)})
         for f, a, kw, o, cost in rec.calls:
             ins = _tensors(a, kw)
             outs = _tensors(o if isinstance(o, (tuple, list)) else (o,))
-            now_in = [lay.get(id(t), rep) for t in ins]
+            for t in ins:
+                vals.lay.setdefault(id(t), rep)
 
-            def part_box(k, dst, ins=ins, now_in=now_in):
+            def part_box(k, dst, ins=ins):
                 if id(ins[k]) in outer:
                     box(outer[id(ins[k])], dst)
-                elif now_in[k] != dst:
-                    out["communication"] += pr.box(tuple(ins[k].shape), now_in[k], dst)
+                else:
+                    vals.box(id(ins[k]), tuple(ins[k].shape), dst)
 
-            got = _decided(f, a, kw, cost, now_in, len(outs), mesh, pr, out, part_box)
-            lay.update({id(t): s for t, s in zip(outs, got)})
+            inner: dict[int, NdSBP] = {}
+            got = _decided(f, a, kw, cost, [vals.lay[id(t)] for t in ins], len(outs), mesh, pr, out, part_box, inner)
+            vals.lay.update({id(t): s for t, s in zip(outs, got)})
+            vals.resolved.update((id(outs[k]), r) for k, r in inner.items())
     finally:
         _DECOMPOSING.discard(func)
-    return [lay.get(id(t), (_B,) * mesh.ndim) for t in _tensors(res if isinstance(res, (tuple, list)) else (res,))]
+    results = _tensors(res if isinstance(res, (tuple, list)) else (res,))
+    memo.update((k, vals.resolved[id(t)]) for k, t in enumerate(results) if id(t) in vals.resolved)
+    return [vals.lay.get(id(t), rep) for t in results]
 
 
 def megatron(model: nn.Module, tp: int) -> Plan:

@@ -104,13 +104,16 @@ def _region(shape, sbp, mesh_shape, coord, dim) -> tuple[int, int]:
 
 
 def _view_local(call: Call, ins, outs):
+    """A shard need not have its GlobalTensor's strides (a wrapper's are contiguous; a transposed
+    shard, split or not, is not), so a view the global value allows may not view the shard: then it
+    is copied, as reshape does."""
     def run(x, size, *rest):
         try:
             return call.func(x, size, *rest)
         except RuntimeError:  # a strided shard that the global view did not have: copy instead
             return aten.reshape.default(x, size)
 
-    return run if any(isinstance(s, Split) for s in ins[0]) else None
+    return run
 
 
 VIEW = Rule(_view, size_arg=1, check_nd=_view_exact, local=_view_local, name="view")
