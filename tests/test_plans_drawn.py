@@ -1,5 +1,6 @@
 """Drawn plans: any parameter layouts and output pins for a small GPT (Partial pins, splits that do not
-divide on 3 devices, and every pin on a 2 x 2 mesh) give plain torch's loss and gradients, eagerly.
+divide on 3 devices, and every pin on a 2 x 2 mesh) give plain torch's loss and gradients, eagerly,
+and its losses over compiled steps.
 Hypothesis draws and shrinks them; the plans ``auto.layouts`` writes are of this kind, so any plan
 it could propose runs as one device does."""
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 import shoal
 from shoal import B, P, S
 from shoal.models.gpt import GPT, GPTConfig
+from shoal.train import train_step
 
 EXAMPLES = int(os.environ.get("SHOAL_PLANS", "25"))
 CFG = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
@@ -58,6 +60,24 @@ def test_a_drawn_plan_trains_like_one_device(drawn, seed):
     torch.testing.assert_close(got.full(), want.detach(), rtol=1e-5, atol=1e-6)
     for (name, p), (_, q) in zip(model.named_parameters(), want_model.named_parameters()):
         torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@settings(max_examples=max(EXAMPLES // 3, 1), derandomize=True, database=None, deadline=None, print_blob=False)
+@given(drawn=plans(), seed=st.integers(0, 3))
+def test_a_drawn_plan_trains_compiled_like_one_device(drawn, seed):
+    """The same plans through ``shoal.compile``: three SGD steps, each loss plain torch's."""
+    shape, plan = drawn
+    torch.manual_seed(seed)
+    base = GPT(CFG)
+    x = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=torch.Generator().manual_seed(seed))
+    want_model = copy.deepcopy(base)
+    want_opt = torch.optim.SGD(want_model.parameters(), lr=0.1)
+    model = shoal.distribute_module(copy.deepcopy(base), shoal.Mesh(MESHES[shape]), plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = shoal.compile(train_step)
+    for _ in range(3):
+        want = train_step(want_model, want_opt, x, x).detach()
+        torch.testing.assert_close(step(model, opt, x, x).full(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_found_a_pinned_projection_viewed_into_heads():
