@@ -162,8 +162,9 @@ def test_a_twin_of_three_layers_lays_out_every_block_of_a_deep_gpt():
 
 
 def test_the_searchs_layouts_lay_out_a_dp_tp_mesh_through_to_plan():
-    """The program's tp layouts (for a tp group) given to ``Parallel.to_plan`` on a (dp, tp) mesh: a
-    plan that trains as plain torch does, Broadcast on dp."""
+    """The program's tp layouts (for a tp group) given to ``Parallel.to_plan`` on a (dp, tp) mesh:
+    parameters Broadcast on dp, output pins split on the batch over dp (under sp: sp's own pins), a
+    plan that trains as plain torch does."""
     with torch.device("meta"):
         big = GPT(GPTConfig())  # the bundled GPT, priced on A100s; the layouts train a small twin
     best, _ = gpt_layouts(big, A100, 2, batch=8, precision="bf16")

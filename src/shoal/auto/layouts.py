@@ -234,7 +234,11 @@ def _result(name: str, results: dict, grads_at: list, rec: _Recorder, keep: list
         keep.append(v)
         results[id(v)] = (name, k)
         if v.requires_grad:
-            v.register_hook(lambda gr, v=v: grads_at.append((len(rec.calls), v, gr)) or keep.append(gr))
+            def noted(gr, v=v) -> None:  # the gradient stays alive: its id is its name
+                grads_at.append((len(rec.calls), v, gr))
+                keep.append(gr)
+
+            v.register_hook(noted)
         return v
 
     if isinstance(out, tuple):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -125,7 +124,7 @@ def _layouts_lines(best, megatron, tp: int, sp: bool) -> list[str]:
     sequence parallelism, whose pins ``to_plan`` keeps, laying out the parameters alone)."""
     differ = [n for n in best.params if best.params[n] != megatron.params[n]]
     kinds = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in differ})
-    pins = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in best.outputs})
+    pins = sorted(best.plan().outputs)  # a ModuleList's items by pattern
     ahead = best.run_seconds < megatron.run_seconds
     return [f"  per-op layouts of a tp group of {tp} (integer program, a micro-batch through a twin of at most 3 "
             f"layers, solved in {best.solve_seconds:.1f} s): {best.seconds * 1e3:.3f} ms against Megatron's pattern "
