@@ -1,6 +1,7 @@
 """Drawn plans: any parameter layouts and output pins for a small GPT (Partial pins, splits that do not
-divide on 3 devices, and every pin on a 2 x 2 mesh) give plain torch's loss and gradients, eagerly,
-and its losses over compiled steps.
+divide on 3 devices, and every pin on a 2 x 2 mesh), with ZeRO 0-3 over the mesh's first axis and
+recomputed modules, train as plain torch does: each loss, the first gradients and the parameters
+after three AdamW steps, eagerly and through ``shoal.compile``.
 Hypothesis draws and shrinks them; the plans ``auto.layouts`` writes are of this kind, so any plan
 it could propose runs as one device does."""
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 import shoal
 from shoal import B, P, S
 from shoal.models.gpt import GPT, GPTConfig
-from shoal.train import train_step
+from shoal.train import gather, train_step
 
 EXAMPLES = int(os.environ.get("SHOAL_PLANS", "25"))
 CFG = GPTConfig(vocab_size=12, block_size=6, n_layer=2, n_head=2, n_embd=8)
@@ -27,6 +28,7 @@ MODULES = ["tok_emb", "drop", "blocks.0", "blocks.*.ln1", "blocks.*.attn", "bloc
            "blocks.*.attn.proj", "blocks.*.ln2", "blocks.*.mlp", "blocks.*.mlp.up", "blocks.*.mlp.drop", "ln_f",
            "lm_head"]
 MESHES = {(2,): [0, 1], (3,): [0, 1, 2], (2, 2): [[0, 1], [2, 3]]}
+CHECKPOINTED = ["blocks.*", "blocks.*.attn.core", "blocks.*.mlp", "blocks.0.attn"]
 
 
 @st.composite
@@ -41,43 +43,50 @@ def plans(draw):
     params = {n: layout(1 if n.endswith(("bias", "ln1.weight")) else 2, False)
               for n in draw(st.lists(st.sampled_from(PARAMS), unique=True, max_size=6))}
     outputs = {m: layout(3, True) for m in draw(st.lists(st.sampled_from(MODULES), unique=True, max_size=4))}
-    return shape, shoal.Plan(params=params, outputs=outputs)
+    zero = draw(st.sampled_from([0, 0, 1, 2, 3]))  # over the mesh's first axis
+    checkpoint = tuple(draw(st.lists(st.sampled_from(CHECKPOINTED), unique=True, max_size=2)))
+    return shape, shoal.Plan(params=params, outputs=outputs, zero=zero, checkpoint=checkpoint)
+
+
+def _trains_like_one_device(shape, plan, seed: int, step) -> None:
+    """Three AdamW steps of ``step`` (``train_step`` or its compiled form) under ``plan``: each loss,
+    every gradient of the first backward (eagerly) and the parameters after, plain torch's."""
+    torch.manual_seed(seed)
+    base = GPT(CFG)
+    x = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=torch.Generator().manual_seed(seed))
+    want_model = copy.deepcopy(base)
+    want_opt = torch.optim.AdamW(want_model.parameters(), lr=1e-2)
+    model = shoal.distribute_module(copy.deepcopy(base), shoal.Mesh(MESHES[shape]), plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if step is train_step:  # the first step by hand: its gradients too
+        want, got = want_model(x, x)[1], model(x, x)[1]
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got.full(), want.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), want_model.named_parameters()):
+            torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        for o in (opt, want_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for _ in range(2 if step is train_step else 3):
+        want = train_step(want_model, want_opt, x, x).detach()
+        torch.testing.assert_close(step(model, opt, x, x).full(), want, rtol=1e-5, atol=1e-6)
+    state = gather(model).state_dict()
+    for name, p in want_model.state_dict().items():
+        torch.testing.assert_close(state[name], p, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, print_blob=False)
 @given(drawn=plans(), seed=st.integers(0, 3))
 def test_a_drawn_plan_trains_like_one_device(drawn, seed):
-    shape, plan = drawn
-    torch.manual_seed(seed)
-    base = GPT(CFG)
-    x = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=torch.Generator().manual_seed(seed))
-    want_model = copy.deepcopy(base)
-    want = want_model(x, x)[1]
-    want.backward()
-    model = shoal.distribute_module(copy.deepcopy(base), shoal.Mesh(MESHES[shape]), plan)
-    got = model(x, x)[1]
-    got.backward()
-    torch.testing.assert_close(got.full(), want.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), (_, q) in zip(model.named_parameters(), want_model.named_parameters()):
-        torch.testing.assert_close(p.grad.full(), q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    _trains_like_one_device(*drawn, seed, train_step)
 
 
 @settings(max_examples=max(EXAMPLES // 3, 1), derandomize=True, database=None, deadline=None, print_blob=False)
 @given(drawn=plans(), seed=st.integers(0, 3))
 def test_a_drawn_plan_trains_compiled_like_one_device(drawn, seed):
-    """The same plans through ``shoal.compile``: three SGD steps, each loss plain torch's."""
-    shape, plan = drawn
-    torch.manual_seed(seed)
-    base = GPT(CFG)
-    x = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=torch.Generator().manual_seed(seed))
-    want_model = copy.deepcopy(base)
-    want_opt = torch.optim.SGD(want_model.parameters(), lr=0.1)
-    model = shoal.distribute_module(copy.deepcopy(base), shoal.Mesh(MESHES[shape]), plan)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = shoal.compile(train_step)
-    for _ in range(3):
-        want = train_step(want_model, want_opt, x, x).detach()
-        torch.testing.assert_close(step(model, opt, x, x).full(), want, rtol=1e-5, atol=1e-6)
+    _trains_like_one_device(*drawn, seed, shoal.compile(train_step))
 
 
 def test_found_a_pinned_projection_viewed_into_heads():
@@ -85,4 +94,4 @@ def test_found_a_pinned_projection_viewed_into_heads():
     the hidden dim; a shard then viewed into heads had strides its GlobalTensor did not (a view of
     any layout now copies where the shard cannot be viewed, as reshape does)."""
     plan = shoal.Plan(outputs={"drop": S(2), "blocks.*.attn.q": S(1)})
-    test_a_drawn_plan_trains_like_one_device.hypothesis.inner_test(((2,), plan), 0)
+    _trains_like_one_device((2,), plan, 0, train_step)
