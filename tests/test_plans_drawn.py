@@ -95,3 +95,23 @@ def test_found_a_pinned_projection_viewed_into_heads():
     any layout now copies where the shard cannot be viewed, as reshape does)."""
     plan = shoal.Plan(outputs={"drop": S(2), "blocks.*.attn.q": S(1)})
     _trains_like_one_device((2,), plan, 0, train_step)
+
+
+def test_a_stage_plan_without_a_batch_layout_is_staged_onto_a_two_axis_mesh():
+    """``Plan.staged`` of a plan that lays out no batch (parameters alone) on a (pp, tp) mesh: the
+    batch is left as it comes (it gave a one-axis layout for the two-axis mesh), and the pipelined
+    step trains as plain torch does."""
+    cfg = GPTConfig(vocab_size=12, block_size=6, n_layer=4, n_head=2, n_embd=8)
+    plan = shoal.Plan(params={"blocks.*.mlp.up.weight": (S(0),), "blocks.*.mlp.down.weight": (S(1),)}).staged("auto")
+    assert "" not in plan.inputs
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=torch.Generator().manual_seed(0))
+    want_model = copy.deepcopy(base)
+    want_opt = torch.optim.AdamW(want_model.parameters(), lr=1e-2)
+    model = shoal.distribute_module(copy.deepcopy(base), shoal.Mesh([[0, 1], [2, 3]], axes=("pp", "tp")), plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = shoal.compile(train_step, micro_batches=2)
+    for _ in range(3):
+        want = train_step(want_model, want_opt, x, x).detach()
+        torch.testing.assert_close(step(model, opt, x, x).full(), want, rtol=1e-5, atol=1e-6)

@@ -64,13 +64,14 @@ class Plan:
     def staged(self, stages: Mapping[str, int] | str) -> Plan:
         """A plan for the whole mesh with a stage axis in front, from this one written for one stage's
         sub-mesh: its parameter layouts and its submodules' output layouts (they name the other axes),
-        the module's batch Broadcast over the stage axis, its submodules' input layouts (regathered
-        as this plan regathers them), and ``stages``; nothing else is carried."""
-        batch = self.inputs.get("", ())
+        the module's batch Broadcast over the stage axis (where this plan lays it out), its submodules'
+        input layouts (regathered as this plan regathers them), and ``stages``; nothing else is carried."""
         inputs = {k: v for k, v in self.inputs.items() if k}
-        return Plan(params=self.params,
-                    inputs={"": (Broadcast(), *(batch if isinstance(batch, tuple) else (batch,))), **inputs},
-                    outputs={k: v for k, v in self.outputs.items() if k}, stages=stages, regather=self.regather)
+        if "" in self.inputs:
+            batch = self.inputs[""]
+            inputs = {"": (Broadcast(), *(batch if isinstance(batch, tuple) else (batch,))), **inputs}
+        return Plan(params=self.params, inputs=inputs, outputs={k: v for k, v in self.outputs.items() if k},
+                    stages=stages, regather=self.regather)
 
 
 def distribute_module(
