@@ -155,6 +155,21 @@ def test_a_stuck_task_times_out_naming_the_actors_not_finished():
     assert results == [{2: 2}]
 
 
+def test_a_deadlock_is_reported_at_once_not_after_the_timeout():
+    """A device order no firing can follow (piece 1 of a task before its piece 0): nothing runs or
+    waits, so the run stops within about a second, naming the actors, not after its 60 s timeout."""
+    plan = make_plan([
+        (DEV1, [0], [1], lambda x: [x + 1], ()),
+        (DEV0, [1], [2], lambda a: [a + 1], ()),
+    ], returned={2})
+    rt = runtime.Runtime(plan, timeout=60, orders={"dev1": [(0, 1), (0, 0)]})
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"deadlock: no firing is running, queued or ready; actors not finished:"
+                                           r"\n  dev1 seg0: done 0/2"):
+        rt.run({}, 2, [{0: 1}, {0: 2}])
+    assert time.monotonic() - t0 < 10
+
+
 def test_comm_tasks_run_on_their_own_thread_and_overlap_compute():
     """A collective independent of a device's compute runs beside it: the comm thread is not the
     device's thread (nor the caller's)."""

@@ -29,6 +29,7 @@ from ..world import world
 
 __all__ = ["Actor", "Runtime", "Firing", "Order", "Register", "FromTask", "Carried", "Bound", "Dep", "bubble"]
 
+_IDLE = 1.0  # seconds the caller waits for a firing before it looks for a deadlock
 _SWITCH = 2e-4  # seconds: Python's default 5 ms lets one thread running many small ops starve the others
 
 
@@ -275,16 +276,25 @@ class Runtime:
         last, since = self._left, time.monotonic()
         while self._left and self._error is None:  # fire my device's tasks; others wake me when they finish
             try:
-                item = self._mine.get(timeout=self.timeout)
+                item = self._mine.get(timeout=min(self.timeout, _IDLE))
             except queue.Empty:
                 item = None
             if item is not None:
                 self._fire(*item[1:])
             if self._left != last:
                 last, since = self._left, time.monotonic()
-            elif time.monotonic() - since > self.timeout:
+            elif item is None:
                 with self._lock:
-                    self._error = TimeoutError(self._stuck())
+                    if self._deadlocked():
+                        self._error = RuntimeError(self._stuck("deadlock: no firing is running, queued or ready"))
+                    elif time.monotonic() - since > self.timeout:
+                        self._error = TimeoutError(self._stuck(f"no progress in {self.timeout:.0f} s"))
+
+    def _deadlocked(self) -> bool:
+        """Nothing runs or waits in a queue, so nothing will ever make another firing ready (only a
+        firing's end does): the run cannot finish. A firing blocked in a collective with another
+        process is running, not deadlocked."""
+        return self._running == 0 and self._mine.empty() and not any(a.busy for a in self._actors)
 
     def _reset(self) -> None:
         for a in self._actors:
@@ -297,8 +307,8 @@ class Runtime:
                 raise ValueError("shoal runtime: a device order names a firing twice or a piece not run")
         self._left = len(self._actors) * self._pieces
 
-    def _stuck(self) -> str:
-        lines = [f"shoal runtime: no progress in {self.timeout:.0f} s; actors not finished:"]
+    def _stuck(self, why: str) -> str:
+        lines = [f"shoal runtime: {why}; actors not finished:"]
         for a in self._actors:
             if a.done < self._pieces:
                 lines.append(f"  {a.task.name}: done {a.done}/{self._pieces}, deps "
@@ -462,7 +472,7 @@ class Runtime:
                     timeline.append(Firing(a.task.name, k, a.thread, start, end, a.phase, a.task.stage))
                     self._finish(a, k, None)
                 if self._left:
-                    raise RuntimeError("shoal runtime: the simulated run stalled:\n" + self._stuck())
+                    raise RuntimeError(self._stuck("the simulated run stalled"))
                 return timeline
             finally:
                 self._sim = None
