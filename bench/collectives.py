@@ -56,28 +56,24 @@ def one_size(mib: int, mesh, reps: int, rank: int) -> None:
     split = shoal.to_global(whole, mesh, S(0))
     partial = make_global(whole, mesh, P)  # random pieces on each process, summing to ``whole``
 
-    def resolve(sbp):  # a Partial tensor remembers its first reduction: forget it, reduce again
-        partial._resolved = None
-        return partial.to_global(mesh, sbp)
+    def resolve(t, sbp):  # a Partial tensor remembers its first reduction: forget it, reduce again
+        t._resolved = None
+        return t.to_global(mesh, sbp)
 
     out = torch.empty_like(whole)
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch renamed them
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     rows = [("S(0) -> B", lambda: split.to_global(mesh, B), lambda: gather(out, half)),
-            ("P -> S(0)", lambda: resolve(S(0)),
+            ("P -> S(0)", lambda: resolve(partial, S(0)),
              lambda: scatter(torch.empty_like(half), whole)),
-            ("P -> B", lambda: resolve(B), lambda: dist.all_reduce(whole.clone()))]
+            ("P -> B", lambda: resolve(partial, B), lambda: dist.all_reduce(whole.clone()))]
     # an odd row count splits unevenly (one more row on rank 0): shoal pads the shorter block; torch's
     # calls beside it move the same padded blocks
     odd = whole[:-1]
     split_odd, partial_odd = shoal.to_global(odd, mesh, S(0)), make_global(odd, mesh, P)
-
-    def resolve_odd(sbp):
-        partial_odd._resolved = None
-        return partial_odd.to_global(mesh, sbp)
-
     rows += [("S(0) -> B, rows odd", lambda: split_odd.to_global(mesh, B), lambda: gather(out, half)),
-             ("P -> S(0), rows odd", lambda: resolve_odd(S(0)), lambda: scatter(torch.empty_like(half), whole))]
+             ("P -> S(0), rows odd", lambda: resolve(partial_odd, S(0)),
+              lambda: scatter(torch.empty_like(half), whole))]
     padded = median_ms(lambda: dist.all_reduce(whole.clone()), reps)
     for name, ours, theirs in rows:
         a, b = median_ms(ours, reps), median_ms(theirs, reps)

@@ -172,7 +172,7 @@ def trace(module: nn.Module, args: Sequence, mesh_shape: Sequence[int], *, input
     rec = _Recorder(dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     results: dict[int, tuple[str, int]] = {}  # id of a submodule's result -> (its name, which result)
-    grads_at: list = []  # (how many ops ran, a submodule's result, its gradient) as backward makes it
+    grads_at: dict = {}  # how many ops ran -> [(a submodule's result, its gradient)] as backward makes them
     hooks = [mod.register_forward_hook(functools.partial(_result, name, results, grads_at, rec, keep))
              for name, mod in model.named_modules() if name]
     try:  # autograd.grad, not backward: no AccumulateGrad copies (the recorder holds every gradient)
@@ -181,11 +181,8 @@ def trace(module: nn.Module, args: Sequence, mesh_shape: Sequence[int], *, input
     finally:
         for h in hooks:
             h.remove()
-    events = {}
-    for at, res, gr in grads_at:
-        events.setdefault(at, []).append((res, gr))
     for i, call in enumerate((*rec.calls, None)):
-        for res, gr in events.get(i, ()):  # a result's gradient, made by the calls before the i-th
+        for res, gr in grads_at.get(i, ()):  # a result's gradient, made by the calls before the i-th
             if id(gr) in ids:
                 g.grads_at.setdefault(len(g.ops), []).append((ids[id(res)], ids[id(gr)]))
         if call is None:
@@ -224,7 +221,7 @@ _SDPA = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_
     ("is_causal", False), ("scale", None), ("enable_gqa", False))])
 
 
-def _result(name: str, results: dict, grads_at: list, rec: _Recorder, keep: list, mod, args, out):
+def _result(name: str, results: dict, grads_at: dict, rec: _Recorder, keep: list, mod, args, out):
     """A forward hook of ``trace``: each tensor a submodule returns is passed on as a view of it (a value
     of its own, as an output pin's result is), noted with the gradient backward gives it."""
     def one(t, k):
@@ -235,7 +232,7 @@ def _result(name: str, results: dict, grads_at: list, rec: _Recorder, keep: list
         results[id(v)] = (name, k)
         if v.requires_grad:
             def noted(gr, v=v) -> None:  # the gradient stays alive: its id is its name
-                grads_at.append((len(rec.calls), v, gr))
+                grads_at.setdefault(len(rec.calls), []).append((v, gr))
                 keep.append(gr)
 
             v.register_hook(noted)
@@ -617,7 +614,7 @@ def _item_pattern(name: str) -> str:
 
 def _matches(name: str, key: str) -> bool:
     """Whether a ``Plan``'s submodule key (a name or an fnmatch pattern) names submodule ``name``."""
-    return name == key or (_pattern(key) and fnmatch.fnmatchcase(name, key))
+    return name == key or fnmatch.fnmatchcase(name, key)
 
 
 def _pattern(key: str) -> bool:
